@@ -1,0 +1,38 @@
+# kvobs — the two commands: `make demo` and `make test`. Each sets up .venv by itself.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.kvobs-installed
+
+.PHONY: venv test lint typecheck demo clean
+
+venv: $(STAMP)
+
+# torch 2.13.0 CPU build first, then vLLM 0.33.0 without its GPU dependencies,
+# then the deps its scheduler-side code needs (notes §6), then kvobs itself.
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q --no-deps "vllm==0.33.0"
+	$(PIP) install -q -r requirements/vllm-cpu.txt
+	$(PIP) install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11"
+	$(PIP) install -q -e '.[otlp,dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvobs tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint typecheck
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/kvobs demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

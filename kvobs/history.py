@@ -1,0 +1,249 @@
+"""Bounded, compact history of chunk removals from the CPU tier.
+
+Why this layout: a removal history must reach back minutes to hours under heavy
+eviction, so it cannot keep one Python object per key (an ``OrderedDict`` of
+key -> time costs ~150 bytes a key). Here a key costs 8 bytes:
+
+* a key ring of ``capacity`` slots holding a 32-bit fingerprint of the key and
+  the 32-bit serial of the batch that removed it (numpy ``uint32`` arrays);
+* a batch ring (``capacity // 4`` slots, at least 1024) holding, per removal
+  batch, its monotonic time, reason, path and the request that caused it.
+
+Recording is O(1) per batch on the caller's thread: a batch is appended to a
+pending list and folded into the rings in vectorised steps once a few thousand
+keys are pending, or when somebody asks a question. Batch serials double as the
+sequence number that orders removals against lookups: a lookup remembers
+``next_serial``; a removal with a serial at or above it came after the lookup.
+
+Fingerprints are 32 bits: a query for a key that was never removed matches some
+other key with probability ``len(history) / 2**32`` (2.3e-4 at 1M keys); the
+diagnosis only trusts matches after the request's lookup, where the window is
+small. Documented in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset")
+"""Why chunks left the CPU tier (the ``reason`` label)."""
+
+PATHS: tuple[str, ...] = (
+    "store",
+    "lookup",
+    "schedule_end",
+    "complete_store",
+    "reset",
+    "poll_thread",
+    "unobserved",
+)
+"""Which manager entry point was running when the removal happened."""
+
+_MIN_BATCHES = 1024
+_FLUSH_AT_KEYS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """The last recorded removal of one key."""
+
+    serial: int
+    time: float
+    reason: str
+    path: str
+    req_id: str | None
+
+
+class HistoryStats(NamedTuple):
+    """Size and reach of the history, for gauges and the message."""
+
+    keys: int
+    batches: int
+    oldest_time: float | None
+    newest_time: float | None
+
+    def window(self, now: float) -> float:
+        """Seconds the history reaches back from ``now`` (0.0 when empty)."""
+        return 0.0 if self.oldest_time is None else max(0.0, now - self.oldest_time)
+
+
+def fingerprints(keys: Iterable[bytes], count: int) -> np.ndarray:
+    """32-bit fingerprints of ``keys`` (Python's bytes hash, cached per object)."""
+    return np.fromiter(map(hash, keys), dtype=np.int64, count=count).astype(np.uint32)
+
+
+class EvictionHistory:
+    """Record removal batches; answer "when was each of these keys last removed"."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        if capacity < 1:
+            raise ValueError(f"history capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.batch_capacity = max(_MIN_BATCHES, capacity // 4)
+        self._key_fp = np.zeros(capacity, dtype=np.uint32)
+        self._key_serial = np.zeros(capacity, dtype=np.uint32)
+        self._keys_written = 0
+        self._batch_time = np.zeros(self.batch_capacity, dtype=np.float64)
+        self._batch_flags = np.zeros(self.batch_capacity, dtype=np.uint8)
+        self._batch_req: list[str | None] = [None] * self.batch_capacity
+        self._batches_folded = 0
+        self._next_serial = 0
+        self._pending: list[tuple[Sequence[bytes], float, int, str | None]] = []
+        self._pending_keys = 0
+
+    @property
+    def next_serial(self) -> int:
+        """Serial the next batch will get; lookups remember it."""
+        return self._next_serial
+
+    def record(
+        self,
+        keys: Sequence[bytes],
+        reason: int,
+        path: int,
+        req_id: str | None,
+        now: float | None = None,
+    ) -> int:
+        """Record one removal batch (an empty batch marks e.g. a reset); return its serial."""
+        serial = self._next_serial
+        self._next_serial = serial + 1
+        self._pending.append(
+            (keys, time.monotonic() if now is None else now, reason | (path << 2), req_id)
+        )
+        self._pending_keys += len(keys)
+        if self._pending_keys >= _FLUSH_AT_KEYS:
+            self._fold()
+        return serial
+
+    def _fold(self) -> None:
+        """Move pending batches into the rings with a few vectorised writes."""
+        pending, self._pending = self._pending, []
+        self._pending_keys = 0
+        if not pending:
+            return
+        first_serial = self._batches_folded
+        bcap = self.batch_capacity
+        counts = np.fromiter((len(b[0]) for b in pending), dtype=np.int64, count=len(pending))
+        times = np.fromiter((b[1] for b in pending), dtype=np.float64, count=len(pending))
+        flags = np.fromiter((b[2] for b in pending), dtype=np.uint8, count=len(pending))
+        serials = np.arange(first_serial, first_serial + len(pending), dtype=np.int64)
+        slots = serials % bcap
+        self._batch_time[slots] = times
+        self._batch_flags[slots] = flags
+        req = self._batch_req
+        for slot, batch in zip(slots.tolist(), pending, strict=True):
+            req[slot] = batch[3]
+        self._batches_folded += len(pending)
+
+        total = int(counts.sum())
+        if total:
+            all_keys = [k for batch in pending for k in batch[0]]
+            fps = fingerprints(all_keys, total)
+            key_serials = np.repeat(serials.astype(np.uint32), counts)
+            if total > self.capacity:
+                fps = fps[-self.capacity :]
+                key_serials = key_serials[-self.capacity :]
+                self._keys_written += total - self.capacity
+                total = self.capacity
+            start = self._keys_written % self.capacity
+            head = min(total, self.capacity - start)
+            self._key_fp[start : start + head] = fps[:head]
+            self._key_serial[start : start + head] = key_serials[:head]
+            if head < total:
+                self._key_fp[: total - head] = fps[head:]
+                self._key_serial[: total - head] = key_serials[head:]
+            self._keys_written += total
+
+    def _oldest_live_serial(self) -> int:
+        return max(0, self._batches_folded - self.batch_capacity)
+
+    def _full_serials(self, stored: np.ndarray) -> np.ndarray:
+        """Undo the 32-bit wrap of stored serials (all lie within 2**32 of now)."""
+        newest = np.uint32(self._batches_folded & 0xFFFFFFFF)
+        behind = (newest - stored).astype(np.int64)  # uint32 arithmetic wraps
+        return self._batches_folded - behind
+
+    def _removal(self, serial: int) -> Removal:
+        slot = serial % self.batch_capacity
+        flags = int(self._batch_flags[slot])
+        return Removal(
+            serial=serial,
+            time=float(self._batch_time[slot]),
+            reason=REASONS[flags & 0b11],
+            path=PATHS[flags >> 2],
+            req_id=self._batch_req[slot],
+        )
+
+    def last_removals(self, keys: Sequence[bytes]) -> list[Removal | None]:
+        """The most recent removal of each key, or None where none is recorded."""
+        self._fold()
+        filled = min(self._keys_written, self.capacity)
+        fp_ring = self._key_fp[:filled]
+        oldest_live = self._oldest_live_serial()
+        out: list[Removal | None] = []
+        for fp in fingerprints(keys, len(keys)).tolist():
+            where = np.flatnonzero(fp_ring == fp)
+            if where.size == 0:
+                out.append(None)
+                continue
+            serial = int(self._full_serials(self._key_serial[where]).max())
+            out.append(self._removal(serial) if serial >= oldest_live else None)
+        return out
+
+    def removals_since(self, serial: int, reason: str) -> list[Removal]:
+        """Batches of ``reason`` with a serial >= ``serial`` still held (e.g. resets)."""
+        self._fold()
+        first = max(serial, self._oldest_live_serial())
+        code = REASONS.index(reason)
+        found = []
+        for s in range(first, self._batches_folded):
+            if int(self._batch_flags[s % self.batch_capacity]) & 0b11 == code:
+                found.append(self._removal(s))
+        return found
+
+    def stats(self) -> HistoryStats:
+        """How many keys and batches are held, and the time span they cover."""
+        self._fold()
+        if self._batches_folded == 0:
+            return HistoryStats(0, 0, None, None)
+        oldest_live = self._oldest_live_serial()
+        filled = min(self._keys_written, self.capacity)
+        keys = filled
+        oldest_serial = oldest_live
+        if filled:
+            oldest_slot = self._keys_written % self.capacity if filled == self.capacity else 0
+            oldest_key_serial = int(self._full_serials(self._key_serial[oldest_slot : oldest_slot + 1])[0])
+            if oldest_key_serial < oldest_live:
+                keys = self._count_keys_from(oldest_live)
+            else:
+                oldest_serial = oldest_key_serial
+        newest = self._batches_folded - 1
+        return HistoryStats(
+            keys=keys,
+            batches=self._batches_folded - oldest_live,
+            oldest_time=float(self._batch_time[oldest_serial % self.batch_capacity]),
+            newest_time=float(self._batch_time[newest % self.batch_capacity]),
+        )
+
+    def _count_keys_from(self, serial: int) -> int:
+        """Keys whose batch is still held (key serials rise along the ring)."""
+        filled = min(self._keys_written, self.capacity)
+        start = self._keys_written % self.capacity if filled == self.capacity else 0
+        ordered = np.concatenate((self._key_serial[start:filled], self._key_serial[:start]))
+        full = self._full_serials(ordered)
+        return int(filled - np.searchsorted(full, serial, side="left"))
+
+    def nbytes(self) -> int:
+        """Bytes held by the rings (the request-id strings are shared, not counted)."""
+        return (
+            self._key_fp.nbytes
+            + self._key_serial.nbytes
+            + self._batch_time.nbytes
+            + self._batch_flags.nbytes
+            + 8 * len(self._batch_req)
+        )

@@ -1,0 +1,168 @@
+"""The recording core: history, lookup verdicts, near misses, diagnosis, sinks.
+
+It knows nothing of vLLM: the glue in ``kvobs.vllm`` tells it what happened
+(a removal batch, a lookup answer, a load pinned, a load failed) and it keeps
+the evidence, counts, and hands records to sinks. Every sink call is isolated:
+a sink's failure is counted and logged once, never raised into the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
+from kvobs.history import PATHS, REASONS, EvictionHistory, Removal
+from kvobs.options import Options
+from kvobs.verdicts import LookupVerdicts, NearMiss, Verdict
+
+logger = logging.getLogger("kvobs")
+
+REASON_CODE = {name: code for code, name in enumerate(REASONS)}
+PATH_CODE = {name: code for code, name in enumerate(PATHS)}
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalBatch:
+    """One removal batch as handed to sinks (keys are the vLLM offload keys)."""
+
+    serial: int
+    time: float
+    reason: str
+    path: str
+    req_id: str | None
+    keys: Sequence[bytes]
+    residency_s: Sequence[float] | None = None
+    near_misses: int = 0
+
+
+class Sink:
+    """Receives what the observer records. Methods are no-ops; override what you need."""
+
+    def on_removal(self, batch: RemovalBatch) -> None:
+        """A removal batch was recorded (called on the thread that removed)."""
+
+    def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
+        """Promised chunks were removed before their load."""
+
+    def on_failure(self, diagnosis: Diagnosis) -> None:
+        """A load failed; called before the exception leaves kvobs."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class Observer:
+    """Keeps the evidence for one offload manager."""
+
+    def __init__(self, options: Options | None = None, sinks: Iterable[Sink] = ()) -> None:
+        self.options = options or Options()
+        self.history = EvictionHistory(self.options.history_size)
+        self.verdicts = LookupVerdicts(self.options.max_verdicts)
+        self.sinks: list[Sink] = list(sinks)
+        self.evicted: Counter[str] = Counter()
+        self.batches: Counter[str] = Counter()
+        self.near_misses: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.internal_errors: Counter[str] = Counter()
+        self.last_diagnosis: Diagnosis | None = None
+
+    # -- recording -------------------------------------------------------
+
+    def removed(
+        self,
+        keys: Sequence[bytes],
+        reason: str,
+        path: str,
+        req_id: str | None,
+        residency_s: Sequence[float] | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Record one removal batch from the CPU tier."""
+        now = time.monotonic() if now is None else now
+        serial = self.history.record(keys, REASON_CODE[reason], PATH_CODE[path], req_id, now)
+        self.evicted[reason] += len(keys)
+        self.batches[reason] += 1
+        # A reset whose keys could not be listed still drops every watched chunk.
+        near = self.verdicts.removed_all() if reason == "reset" and not keys else self.verdicts.removed(keys)
+        if near:
+            self.near_misses[reason] += len(near)
+            self._each_sink("sink.near_miss", lambda s: s.on_near_miss(near, reason))
+        if self.sinks:
+            batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, len(near))
+            self._each_sink("sink.removal", lambda s: s.on_removal(batch))
+
+    def reported(self, req_id: str, key: bytes, pending: bool) -> None:
+        """A lookup by ``req_id`` answered HIT (or HIT_PENDING) for ``key``."""
+        self.verdicts.reported(req_id, key, Verdict(self.history.next_serial, time.monotonic(), pending))
+
+    # -- diagnosis -------------------------------------------------------
+
+    def facts(
+        self,
+        req_id: str,
+        unloadable: Sequence[tuple[bytes, int, int | None, str]],
+    ) -> list[KeyFacts]:
+        """Gather verdicts and removals for (key, group, end_token, state) tuples."""
+        removals = self.history.last_removals([k for k, _, _, _ in unloadable])
+        out = []
+        for (key, group, end_token, state), removal in zip(unloadable, removals, strict=True):
+            verdict = self.verdicts.get(req_id, key)
+            reset: Removal | None = None
+            if verdict is not None and (removal is None or removal.serial < verdict.serial):
+                resets = self.history.removals_since(verdict.serial, "reset")
+                reset = resets[0] if resets else None
+            out.append(KeyFacts(key, group, end_token, state, verdict, removal, reset))
+        return out
+
+    def load_failed(
+        self,
+        vllm_message: str,
+        req_id: str,
+        num_keys: int,
+        end_token_range: tuple[int, int] | None,
+        unloadable: Sequence[tuple[bytes, int, int | None, str]],
+        failing_group: int | None,
+    ) -> Diagnosis:
+        """Diagnose a failed load, log it once, and hand it to every sink."""
+        now = time.monotonic()
+        stats = self.history.stats()
+        diagnosis = diagnose(
+            LoadFailure(
+                vllm_message=vllm_message,
+                req_id=req_id,
+                num_keys=num_keys,
+                end_token_range=end_token_range,
+                missing=self.facts(req_id, unloadable),
+                history_keys=stats.keys,
+                history_window_s=stats.window(now),
+                now=now,
+                failing_group=failing_group,
+            )
+        )
+        self.failures[diagnosis.cause] += 1
+        self.last_diagnosis = diagnosis
+        logger.error("kv offload load failed: %s", diagnosis.message)
+        self._each_sink("sink.failure", lambda s: s.on_failure(diagnosis))
+        return diagnosis
+
+    # -- fault containment -------------------------------------------------
+
+    def internal_error(self, stage: str, exc: BaseException) -> None:
+        """Count a fault of kvobs's own; log the first of each stage."""
+        self.internal_errors[stage] += 1
+        if self.internal_errors[stage] == 1:
+            logger.error("kvobs internal error in %s (counted, not raised): %r", stage, exc)
+
+    def _each_sink(self, stage: str, call: Callable[[Sink], None]) -> None:
+        for sink in self.sinks:
+            try:
+                call(sink)
+            except Exception as exc:  # a sink must never break vLLM
+                self.internal_error(stage, exc)
+
+    def close(self) -> None:
+        self._each_sink("sink.close", lambda s: s.close())

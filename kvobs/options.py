@@ -1,0 +1,64 @@
+"""kvobs's options: one typed record, validated once, with errors that name the option."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+MIN_HISTORY_SIZE = 1_024
+MAX_HISTORY_SIZE = 100_000_000
+
+
+class OptionError(ValueError):
+    """A kvobs option is unknown, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``kvobs.observe()`` and the plugin accept (see README, "Options")."""
+
+    history_size: int = 1_000_000
+    """Keys the eviction history holds (8 bytes each, plus batch records)."""
+    max_verdicts: int = 262_144
+    """Lookup verdicts kept across all live requests; more are dropped and counted."""
+    dir: str | None = None
+    """Directory for the engine -> sidecar journal and failure reports (env KVOBS_DIR)."""
+    engine: str | None = None
+    """The ``engine`` label; default: ``dp<rank>`` under vLLM, else ``pid<pid>``."""
+    tracer_provider: Any = None
+    """OpenTelemetry TracerProvider for the failure span; default: the global one."""
+
+
+_INT_RANGES = {
+    "history_size": (MIN_HISTORY_SIZE, MAX_HISTORY_SIZE),
+    "max_verdicts": (1, 100_000_000),
+}
+_STRINGS = ("dir", "engine")
+NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
+
+
+def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Options:
+    """Validate ``raw`` into Options; raise OptionError naming the first bad option."""
+    if not isinstance(raw, Mapping):
+        raise OptionError(f"{source}s must be a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(NAMES))
+    if unknown:
+        raise OptionError(
+            f"unknown {source} {unknown[0]!r}; known options: {', '.join(NAMES)}"
+        )
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in _INT_RANGES:
+            low, high = _INT_RANGES[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise OptionError(f"{source} {name!r} must be an integer, got {value!r}")
+            if not low <= value <= high:
+                raise OptionError(f"{source} {name!r} must be in [{low}, {high}], got {value}")
+        elif name in _STRINGS and value is not None and (not isinstance(value, str) or not value):
+            raise OptionError(f"{source} {name!r} must be a non-empty string, got {value!r}")
+        values[name] = value
+    if values.get("dir") is None:
+        values["dir"] = os.environ.get("KVOBS_DIR") or None
+    return Options(**values)

@@ -1,0 +1,114 @@
+"""ObservedOffloadingSpec: the out-of-tree offloading spec vLLM loads to plug kvobs in.
+
+Configured through ``kv_connector_extra_config`` (README, "Plug into vllm serve")::
+
+    {"spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
+     "kvobs": {"inner_spec": "TieringOffloadingSpec", "history_size": 1000000},
+     "cpu_bytes_to_use": ..., ...the inner spec's own keys...}
+
+It composes the inner spec (``CPUOffloadingSpec`` by default) rather than
+subclassing it, so one class serves every inner spec. Composition means it must
+forward what vLLM asks of a spec (notes §4): ``get_worker``, both classmethods
+(the API server calls them) and ``replicated_layout``. The module is imported by
+every vLLM process, so import and ``__init__`` stay cheap; options are
+validated in the classmethods too, so a bad option fails at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from kvobs.options import OptionError, Options, parse_options
+
+KVOBS_KEY = "kvobs"
+DEFAULT_INNER_SPEC = "CPUOffloadingSpec"
+_SPEC_KEYS = ("inner_spec", "inner_spec_module_path")
+
+
+def split_config(extra_config: Mapping[str, Any]) -> tuple[type[OffloadingSpec], dict[str, Any], Options]:
+    """(inner spec class, the inner spec's extra_config, kvobs options) from extra_config."""
+    raw = extra_config.get(KVOBS_KEY, {})
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise OptionError(
+            f"kv_connector_extra_config[{KVOBS_KEY!r}] must be an object, got {type(raw).__name__}"
+        )
+    inner_name = raw.get("inner_spec", DEFAULT_INNER_SPEC)
+    inner_module = raw.get("inner_spec_module_path")
+    for name, value in (("inner_spec", inner_name), ("inner_spec_module_path", inner_module)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise OptionError(f"kvobs option {name!r} must be a non-empty string, got {value!r}")
+    if inner_name == ObservedOffloadingSpec.__name__:
+        raise OptionError("kvobs option 'inner_spec' cannot be ObservedOffloadingSpec itself")
+    options = parse_options({k: v for k, v in raw.items() if k not in _SPEC_KEYS})
+    inner_extra = {k: v for k, v in extra_config.items() if k != KVOBS_KEY}
+    lookup = {"spec_name": inner_name}
+    if inner_module is not None:
+        lookup["spec_module_path"] = inner_module
+    try:
+        inner_cls = OffloadingSpecFactory.get_spec_cls(lookup)
+    except (ValueError, ImportError, AttributeError, AssertionError) as exc:
+        raise OptionError(
+            f"kvobs option 'inner_spec': cannot load offloading spec {inner_name!r}"
+            + (f" from {inner_module!r}" if inner_module else "")
+            + f": {exc}"
+        ) from exc
+    return inner_cls, inner_extra, options
+
+
+class ObservedOffloadingSpec(OffloadingSpec):
+    """Builds the inner spec's manager and returns it wrapped by kvobs."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        inner_cls, inner_extra, _ = split_config(extra_config)
+        return inner_cls.build_metric_definitions(inner_extra)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        inner_cls, inner_extra, _ = split_config(extra_config)
+        return inner_cls.config_info_keys(inner_extra)
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        inner_cls, inner_extra, options = split_config(config.extra_config)
+        inner_config = dataclasses.replace(config, extra_config=inner_extra)
+        super().__init__(inner_config)
+        self.inner_spec: OffloadingSpec = inner_cls(inner_config)
+        self.kvobs_options = options
+        # The base __init__ resets these; the connector reads the inner spec's values.
+        self.replicated_layout = self.inner_spec.replicated_layout
+        self.offload_prompt_only = self.inner_spec.offload_prompt_only
+        self.kv_events_config = self.inner_spec.kv_events_config
+        self._manager: OffloadingManager | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from kvobs.vllm.observe import observe_with_options
+
+            engine = self.kvobs_options.engine or f"dp{self.config.parallel.data_parallel_index}"
+            self._manager = observe_with_options(
+                self.inner_spec.get_manager(), dataclasses.replace(self.kvobs_options, engine=engine)
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        return self.inner_spec.get_worker(kv_caches)
+
+    def __getattr__(self, name: str) -> Any:
+        """Spec attributes the connector reads (e.g. num_chunks) come from the inner spec."""
+        if name == "inner_spec":
+            raise AttributeError(name)
+        return getattr(self.inner_spec, name)

@@ -1,0 +1,26 @@
+"""Integration tests drive vLLM 0.33.0's real offloading managers on CPU."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture
+def managers() -> Iterator[list]:
+    """Collects managers built by a test and shuts them down (frees /dev/shm)."""
+    made: list = []
+    yield made
+    for manager in made:
+        manager.shutdown()

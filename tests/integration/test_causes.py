@@ -1,0 +1,188 @@
+"""Every cause, reproduced for real on vLLM 0.33.0's managers, named correctly in the message."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
+from vllm_env import cpu_extra, create_manager, key, tiering_extra
+
+import kvobs
+from kvobs.vllm import ObservedOffloadingManager
+
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+MESSAGE = re.compile(
+    r"^Chunk b'.*' (?:not found in cache|is not ready for reading) "
+    r"\(group=(?P<group>\d+), req_id='(?P<req>[^']*)'\)\. (?P<missing>\d+) of (?P<total>\d+) keys in this load "
+    r"are missing\. \(end_token, seconds since eviction\) per missing key: (?P<listed>\[.*\]); "
+    r"load end_token range: (?P<range>\S+); eviction history: (?P<hist>\d+) keys over (?P<window>[\d.]+)s\. "
+    r"cause: (?P<cause>\w+) \((?P<evidence>.*)\)",
+    re.S,
+)
+
+
+def observed(managers: list, extra: dict[str, Any], **options: Any) -> ObservedOffloadingManager:
+    manager = kvobs.observe(create_manager(extra), **options)
+    managers.append(manager)
+    return manager
+
+
+def ctx(manager: OffloadingManager, req_id: str, positions: dict[bytes, int] | None = None) -> ReqContext:
+    context = ReqContext(req_id)
+    for k, end_token in (positions or {}).items():
+        context.set_offload_key_position(k, end_token)
+    manager.on_new_request(context)
+    return context
+
+
+def store(manager: OffloadingManager, keys: list[bytes], context: ReqContext, complete: bool = True) -> None:
+    out = manager.prepare_store(keys, context)
+    assert out is not None
+    if complete:
+        manager.complete_store(keys, context)
+
+
+def failed_load(manager: ObservedOffloadingManager, keys: list[bytes], context: ReqContext) -> re.Match[str]:
+    with pytest.raises(AssertionError) as info:
+        manager.prepare_load(keys, context)
+    match = MESSAGE.match(str(info.value))
+    assert match is not None, str(info.value)
+    return match
+
+
+def test_coverage_mismatch_chunk_never_stored(managers: list, caplog: pytest.LogCaptureFixture) -> None:
+    m = observed(managers, cpu_extra(4))
+    a = ctx(m, "req-a", {key(1): 16, key(7, group=2): 32})
+    store(m, [key(1)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    with caplog.at_level(logging.ERROR, logger="kvobs"):
+        match = failed_load(m, [key(1), key(7, group=2)], a)
+    assert match["cause"] == "coverage_mismatch"
+    assert (match["group"], match["req"], match["missing"], match["total"]) == ("2", "req-a", "1", "2")
+    assert match["listed"] == "[(32, None)]" and match["range"] == "16-32"
+    assert "never reported" in match["evidence"]
+    assert [r.message for r in caplog.records if r.name == "kvobs"].__len__() == 1
+    assert m.observer.failures == {"coverage_mismatch": 1}
+
+
+def test_evicted_after_lookup_by_another_requests_store(managers: list) -> None:
+    m = observed(managers, cpu_extra(2))
+    a = ctx(m, "req-a", {key(1): 1024})
+    b = ctx(m, "req-b")
+    store(m, [key(1), key(2)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    store(m, [key(3), key(4)], b)  # capacity eviction of key(1), key(2)
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "evicted_after_lookup"
+    assert match["listed"].startswith("[(1024, 0.0") and match["range"] == "1024-1024"
+    assert match["hist"] == "2"
+    assert "capacity removal" in match["evidence"] and "path=store" in match["evidence"]
+    assert "req_id='req-b'" in match["evidence"]
+    assert m.observer.near_misses == {"capacity": 1}
+
+
+def test_evicted_after_lookup_by_a_tiering_promotion_inside_lookup(managers: list) -> None:
+    m = observed(managers, tiering_extra(1))
+    s1, s2 = ctx(m, "store-1"), ctx(m, "store-2")
+    store(m, [key(1)], s1)
+    m.on_schedule_end(END)  # cascade of key(1) to the secondary tier completes
+    store(m, [key(2)], s2)  # evicts key(1) from the primary tier; it stays in the secondary
+    m.on_schedule_end(END)
+    a = ctx(m, "req-a", {key(2): 32, key(1): 16})
+    assert m.lookup(key(2), a) is LookupResult.HIT
+    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING  # promotion evicts key(2)
+    match = failed_load(m, [key(2)], a)
+    assert match["cause"] == "evicted_after_lookup"
+    assert "path=lookup" in match["evidence"] and "req_id='req-a'" in match["evidence"]
+    assert m.observer.near_misses["capacity"] == 1
+
+
+def test_store_in_flight(managers: list) -> None:
+    m = observed(managers, cpu_extra(4))
+    a = ctx(m, "req-a")
+    store(m, [key(1)], a, complete=False)
+    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "store_in_flight"
+    assert str(match.string).startswith(f"Chunk {key(1)!r} is not ready for reading")
+
+
+@pytest.mark.parametrize("extra", [cpu_extra(4), tiering_extra(4)], ids=["cpu", "tiering"])
+def test_reset_after_lookup(managers: list, extra: dict[str, Any]) -> None:
+    m = observed(managers, extra)
+    a = ctx(m, "req-a", {key(1): 16})
+    store(m, [key(1)], a)
+    m.on_schedule_end(END)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    m.reset_cache()
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "reset_after_lookup"
+    assert "reset" in match["evidence"]
+    assert m.observer.evicted["reset"] == 1 and m.observer.near_misses == {"reset": 1}
+
+
+def test_store_failed_after_lookup_a_failed_promotion(managers: list) -> None:
+    m = observed(managers, tiering_extra(1))
+    tier = m.inner.secondary_tiers[0]
+    s1, s2 = ctx(m, "store-1"), ctx(m, "store-2")
+    store(m, [key(1)], s1)
+    m.on_schedule_end(END)
+    store(m, [key(2)], s2)  # key(1) now only in the secondary tier
+    m.on_schedule_end(END)
+    a = ctx(m, "req-a", {key(1): 16})
+    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING  # promotion allocated, write pending
+    del tier.chunks[key(1)]  # the object vanished from the tier: its read (submit_load) fails
+    m.on_schedule_end(END)  # flush submits the promotion; the tier fails it
+    m.on_schedule_end(END)  # the failure is processed: complete_write(success=False)
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "store_failed_after_lookup"
+    assert "store_failed removal" in match["evidence"] and "HIT_PENDING" in match["evidence"]
+    assert m.observer.evicted["store_failed"] == 1
+
+
+def test_unknown_when_the_history_is_too_small(managers: list) -> None:
+    m = observed(managers, cpu_extra(4), history_size=1024)
+    a = ctx(m, "req-a", {key(1): 16})
+    churn = ctx(m, "churn")
+    store(m, [key(1)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    for i in range(300):  # 1,200 newer removals push key(1)'s out of a 1,024-key history
+        store(m, [key(1000 + 4 * i + j) for j in range(4)], churn)
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "unknown"
+    assert match["listed"] == "[(16, None)]" and match["hist"] == "1024"
+    assert "older than the history" in match["evidence"]
+
+
+def test_near_miss_counted_when_the_load_then_succeeds(managers: list) -> None:
+    m = observed(managers, cpu_extra(2))
+    a, b, c = ctx(m, "req-a"), ctx(m, "req-b"), ctx(m, "req-c")
+    store(m, [key(1), key(2)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    store(m, [key(3), key(4)], b)  # key(1) evicted after req-a's lookup
+    m.complete_load([], b)
+    store(m, [key(1)], c)  # ...and stored again before req-a's load
+    m.prepare_load([key(1)], a)  # no assertion
+    assert m.observer.near_misses == {"capacity": 1}
+    assert not m.observer.failures
+    # Once pinned, later evictions of the request's chunks are not near misses.
+    m.complete_load([key(1)], a)
+    store(m, [key(5), key(6)], b)
+    assert m.observer.near_misses == {"capacity": 1}
+
+
+def test_kvobs_internal_fault_never_changes_the_assertion(managers: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = observed(managers, cpu_extra(2))
+    a = ctx(m, "req-a")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("kvobs bug")
+
+    monkeypatch.setattr(m.observer, "load_failed", broken)
+    with pytest.raises(AssertionError) as info:
+        m.prepare_load([key(9)], a)
+    assert str(info.value) == f"Chunk {key(9)!r} not found in cache"
+    assert m.observer.internal_errors == {"diagnosis": 1}

@@ -1,0 +1,86 @@
+"""Real vLLM 0.33.0 offloading objects built on CPU, for the integration tests.
+
+Specs are created through vLLM's own ``OffloadingSpecFactory.create_spec`` from an
+``OffloadingConfig`` whose ``extra_config`` is what a user writes in
+``kv_connector_extra_config``; managers come from ``spec.get_manager()``. Nothing
+here is faked: tiering uses vLLM's ``ExampleSecondaryTierManager`` (an in-memory
+tier) and a scheduler-side ``SharedOffloadRegion`` in /dev/shm, freed by shutdown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadKey, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+BYTES_PER_CHUNK = 4096  # one page: the smallest aligned chunk
+_engine_ids = itertools.count()
+
+
+def offloading_config(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingConfig:
+    """An OffloadingConfig for a tiny single-worker engine on CPU."""
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"layer.{g}",), group_id=g)
+            for g in range(groups)
+        ),
+        worker_kv_bytes_per_block=BYTES_PER_CHUNK,
+        enable_kv_cache_events=bool(extra_config.pop("_events", False)),
+        extra_config=extra_config,
+        engine_id=f"kvobs-test-{os.getpid()}-{next(_engine_ids)}",
+        model=OffloadingModelConfig(name="kvobs-test", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def cpu_extra(num_chunks: int, **more: Any) -> dict[str, Any]:
+    return {"cpu_bytes_to_use": num_chunks * BYTES_PER_CHUNK, **more}
+
+
+def tiering_extra(num_chunks: int, **more: Any) -> dict[str, Any]:
+    return {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": num_chunks * BYTES_PER_CHUNK,
+        "secondary_tiers": [{"type": "example"}],
+        "tier_poll_interval_s": 0,
+        **more,
+    }
+
+
+def observed_extra(inner: dict[str, Any], **kvobs_options: Any) -> dict[str, Any]:
+    """The plugin's extra_config wrapping ``inner`` (the DESIGN.md form)."""
+    inner = dict(inner)
+    inner_spec = inner.pop("spec_name", "CPUOffloadingSpec")
+    return {
+        **inner,
+        "spec_name": "ObservedOffloadingSpec",
+        "spec_module_path": "kvobs.vllm",
+        "kvobs": {"inner_spec": inner_spec, **kvobs_options},
+    }
+
+
+def create_spec(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingSpec:
+    return OffloadingSpecFactory.create_spec(offloading_config(dict(extra_config), groups=groups))
+
+
+def create_manager(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingManager:
+    return create_spec(extra_config, groups=groups).get_manager()
+
+
+def key(i: int, group: int = 0) -> OffloadKey:
+    return make_offload_key(i.to_bytes(32, "big"), group)

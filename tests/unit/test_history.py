@@ -1,0 +1,113 @@
+"""EvictionHistory: bounded, compact, and right about "when was this key last removed"."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvobs.history import PATHS, REASONS, EvictionHistory
+
+CAPACITY = REASONS.index("capacity")
+RESET = REASONS.index("reset")
+STORE = PATHS.index("store")
+LOOKUP = PATHS.index("lookup")
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(32) + b"\x00\x00\x00\x01" for _ in range(n)]
+
+
+def test_last_removal_names_time_reason_path_and_request() -> None:
+    history = EvictionHistory(4096)
+    batch = keys(3)
+    serial = history.record(batch, CAPACITY, LOOKUP, "req-b", now=100.0)
+    (removal,) = history.last_removals([batch[1]])
+    assert removal is not None
+    assert (removal.serial, removal.time, removal.reason, removal.path, removal.req_id) == (
+        serial, 100.0, "capacity", "lookup", "req-b",
+    )
+
+
+def test_unrecorded_key_has_no_removal() -> None:
+    history = EvictionHistory(4096)
+    history.record(keys(10), CAPACITY, STORE, None, now=1.0)
+    assert history.last_removals(keys(5)) == [None] * 5
+
+
+def test_latest_removal_wins_and_serials_order_batches() -> None:
+    history = EvictionHistory(4096)
+    key = keys(1)
+    first = history.record(key, CAPACITY, STORE, "a", now=1.0)
+    second = history.record(key, RESET, PATHS.index("reset"), None, now=2.0)
+    assert second == first + 1 == history.next_serial - 1
+    (removal,) = history.last_removals(key)
+    assert removal is not None and removal.serial == second and removal.reason == "reset"
+
+
+def test_key_ring_forgets_the_oldest_keys_beyond_capacity() -> None:
+    history = EvictionHistory(2048)
+    old = keys(100)
+    history.record(old, CAPACITY, STORE, None, now=1.0)
+    for i in range(40):  # 40 * 64 = 2560 newer keys push the old batch out
+        history.record(keys(64), CAPACITY, STORE, None, now=2.0 + i)
+    assert history.last_removals(old[:10]) == [None] * 10
+    stats = history.stats()
+    assert stats.keys == 2048
+    assert stats.oldest_time is not None and stats.oldest_time > 1.0
+
+
+def test_batch_ring_overflow_ages_out_batch_details() -> None:
+    history = EvictionHistory(1_000_000)  # 250,000 batch slots
+    first = keys(1)
+    history.record(first, CAPACITY, STORE, "old", now=0.0)
+    single = keys(1)[0]
+    for i in range(history.batch_capacity):
+        history.record([single], CAPACITY, STORE, None, now=1.0 + i * 1e-6)
+    assert history.last_removals(first) == [None]
+    stats = history.stats()
+    assert stats.batches == history.batch_capacity
+    assert stats.keys == history.batch_capacity  # keys whose batch details are still held
+
+
+def test_window_spans_oldest_to_now() -> None:
+    history = EvictionHistory(4096)
+    history.record(keys(2), CAPACITY, STORE, None, now=10.0)
+    history.record(keys(2), CAPACITY, STORE, None, now=25.0)
+    stats = history.stats()
+    assert stats.keys == 4 and stats.batches == 2
+    assert stats.window(now=30.0) == pytest.approx(20.0)
+    assert EvictionHistory(4096).stats().window(now=5.0) == 0.0
+
+
+def test_serials_survive_32_bit_wraparound() -> None:
+    history = EvictionHistory(4096)
+    start = 2**32 - 3
+    history._next_serial = history._batches_folded = start
+    batch_keys = [keys(1) for _ in range(6)]
+    for i, k in enumerate(batch_keys):
+        history.record(k, CAPACITY, STORE, f"r{i}", now=float(i))
+    history.record(batch_keys[0], CAPACITY, STORE, "again", now=9.0)
+    first, last = history.last_removals([batch_keys[0][0], batch_keys[5][0]])
+    assert first is not None and first.serial == start + 6 and first.req_id == "again"
+    assert last is not None and last.serial == start + 5 and last.req_id == "r5"
+
+
+def test_removals_since_finds_resets_after_a_serial() -> None:
+    history = EvictionHistory(4096)
+    history.record(keys(1), RESET, PATHS.index("reset"), None, now=1.0)
+    mark = history.next_serial
+    history.record(keys(1), CAPACITY, STORE, None, now=2.0)
+    history.record([], RESET, PATHS.index("reset"), None, now=3.0)
+    found = history.removals_since(mark, "reset")
+    assert [r.time for r in found] == [3.0]
+
+
+def test_one_million_keys_fit_in_sixteen_mib() -> None:
+    history = EvictionHistory(1_000_000)
+    assert history.nbytes() <= 16 * 2**20
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        EvictionHistory(0)
