@@ -8,7 +8,7 @@ runs in the failing process in microseconds.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvobs.history import Removal
@@ -62,6 +62,7 @@ class LoadFailure:
     history_window_s: float
     now: float
     failing_group: int | None = None
+    trace_headers: Mapping[str, str] | None = None  # the request's W3C trace context, if carried
 
 
 @dataclass(frozen=True, slots=True)

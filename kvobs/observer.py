@@ -11,15 +11,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
-from kvobs.history import PATHS, REASONS, EvictionHistory, Removal
+from kvobs.diagnosis import CAUSES, Diagnosis, KeyFacts, LoadFailure, diagnose
+from kvobs.history import PATHS, REASONS, EvictionHistory, HistoryStats, Removal
 from kvobs.options import Options
 from kvobs.verdicts import LookupVerdicts, NearMiss, Verdict
 
 logger = logging.getLogger("kvobs")
+
+STAGES: tuple[str, ...] = (
+    "record.removal",
+    "record.lookup",
+    "record.load",
+    "record.finish",
+    "record.schedule_end",
+    "diagnosis",
+    "verdicts",
+    "journal",
+    "report",
+    "tracing",
+    "sink",
+    "shutdown",
+)
+"""Where kvobs can drop a record or hit a fault of its own (the ``stage`` label)."""
+
+STATS_EVERY_S = 1.0
 
 REASON_CODE = {name: code for code, name in enumerate(REASONS)}
 PATH_CODE = {name: code for code, name in enumerate(PATHS)}
@@ -48,8 +66,8 @@ class Sink:
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         """Promised chunks were removed before their load."""
 
-    def on_failure(self, diagnosis: Diagnosis) -> None:
-        """A load failed; called before the exception leaves kvobs."""
+    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+        """A load failed; called (and must finish, bounded) before the exception leaves kvobs."""
 
     def close(self) -> None:
         """Flush and release resources."""
@@ -63,12 +81,16 @@ class Observer:
         self.history = EvictionHistory(self.options.history_size)
         self.verdicts = LookupVerdicts(self.options.max_verdicts)
         self.sinks: list[Sink] = list(sinks)
-        self.evicted: Counter[str] = Counter()
-        self.batches: Counter[str] = Counter()
-        self.near_misses: Counter[str] = Counter()
-        self.failures: Counter[str] = Counter()
-        self.internal_errors: Counter[str] = Counter()
+        # Every label value present from the start, so readers on other threads
+        # can copy these dicts while they change (their size never does).
+        self.evicted: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self.batches: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self.near_misses: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self.failures: Counter[str] = Counter(dict.fromkeys(CAUSES, 0))
+        self.internal_errors: Counter[str] = Counter(dict.fromkeys(STAGES, 0))
         self.last_diagnosis: Diagnosis | None = None
+        self.history_stats: HistoryStats = self.history.stats()
+        self._next_stats_at = 0.0
 
     # -- recording -------------------------------------------------------
 
@@ -90,10 +112,13 @@ class Observer:
         near = self.verdicts.removed_all() if reason == "reset" and not keys else self.verdicts.removed(keys)
         if near:
             self.near_misses[reason] += len(near)
-            self._each_sink("sink.near_miss", lambda s: s.on_near_miss(near, reason))
+            self._each_sink("sink", lambda s: s.on_near_miss(near, reason))
         if self.sinks:
             batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, len(near))
-            self._each_sink("sink.removal", lambda s: s.on_removal(batch))
+            self._each_sink("sink", lambda s: s.on_removal(batch))
+        if now >= self._next_stats_at:  # gauges for other threads, at most once a second
+            self._next_stats_at = now + STATS_EVERY_S
+            self.history_stats = self.history.stats()
 
     def reported(self, req_id: str, key: bytes, pending: bool) -> None:
         """A lookup by ``req_id`` answered HIT (or HIT_PENDING) for ``key``."""
@@ -126,6 +151,7 @@ class Observer:
         end_token_range: tuple[int, int] | None,
         unloadable: Sequence[tuple[bytes, int, int | None, str]],
         failing_group: int | None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> Diagnosis:
         """Diagnose a failed load, log it once, and hand it to every sink."""
         now = time.monotonic()
@@ -141,18 +167,25 @@ class Observer:
                 history_window_s=stats.window(now),
                 now=now,
                 failing_group=failing_group,
+                trace_headers=trace_headers,
             )
         )
         self.failures[diagnosis.cause] += 1
         self.last_diagnosis = diagnosis
+        self.history_stats = stats
         logger.error("kv offload load failed: %s", diagnosis.message)
-        self._each_sink("sink.failure", lambda s: s.on_failure(diagnosis))
         return diagnosis
+
+    def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+        """Hand a failure to every sink (reports, spans); they finish before this returns."""
+        self._each_sink("sink", lambda s: s.on_failure(diagnosis, exc))
 
     # -- fault containment -------------------------------------------------
 
     def internal_error(self, stage: str, exc: BaseException) -> None:
         """Count a fault of kvobs's own; log the first of each stage."""
+        if stage not in self.internal_errors:
+            stage = "sink"
         self.internal_errors[stage] += 1
         if self.internal_errors[stage] == 1:
             logger.error("kvobs internal error in %s (counted, not raised): %r", stage, exc)
@@ -165,4 +198,4 @@ class Observer:
                 self.internal_error(stage, exc)
 
     def close(self) -> None:
-        self._each_sink("sink.close", lambda s: s.close())
+        self._each_sink("shutdown", lambda s: s.close())

@@ -33,6 +33,7 @@ from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
 from kvobs.observer import Observer
 from kvobs.vllm.policy_hook import PolicyHook, on_poll_thread
+from kvobs.vllm.trace_context import TraceHeaders
 
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
@@ -236,12 +237,16 @@ class ObservedOffloadingManager(OffloadingManager):
             positions = [p for k in keys if (p := req_context.get_offload_key_position(k)) is not None]
             token_range = (min(positions), max(positions)) if positions else None
             failing = next((g for k, g, _, _ in unloadable if repr(k) in vllm_message), None)
+            carried = req_context.get_state(TraceHeaders)
             diagnosis = self._kvobs_observer.load_failed(
-                vllm_message, req_context.req_id, len(keys), token_range, unloadable, failing
+                vllm_message, req_context.req_id, len(keys), token_range, unloadable, failing,
+                trace_headers=None if carried is None else carried.headers,
             )
             exc.args = (diagnosis.message, *exc.args[1:])
-        except Exception as fault:
+        except Exception as fault:  # the original assertion still propagates
             self._kvobs_observer.internal_error("diagnosis", fault)
+            return
+        self._kvobs_observer.publish_failure(diagnosis, exc)
 
     def _kvobs_unloadable(
         self, keys: list[OffloadKey], req_context: ReqContext, vllm_message: str

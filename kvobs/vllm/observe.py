@@ -1,13 +1,15 @@
-"""``observe()``: wrap any vLLM OffloadingManager."""
+"""``observe()``: wrap any vLLM OffloadingManager, with the sinks the options ask for."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from importlib import metadata
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingManager
 
-from kvobs.observer import Observer, Sink
+from kvobs.observer import Observer
 from kvobs.options import Options, parse_options
 from kvobs.vllm.manager import ObservedOffloadingManager
 
@@ -17,12 +19,27 @@ def observe(manager: OffloadingManager, **options: Any) -> ObservedOffloadingMan
     return observe_with_options(manager, parse_options(options, source="kvobs.observe() option"))
 
 
+def vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def observe_with_options(manager: OffloadingManager, options: Options) -> ObservedOffloadingManager:
+    """Build the observer and its sinks: the journal when ``dir`` is set, always the tracer."""
     if not isinstance(manager, OffloadingManager):
         raise TypeError(f"kvobs.observe() needs a vLLM OffloadingManager, got {type(manager).__name__}")
     if isinstance(manager, ObservedOffloadingManager):
         raise ValueError("this manager is already observed by kvobs")
     if options.engine is None:
-        options = Options(**{**options.__dict__, "engine": f"pid{os.getpid()}"})
-    sinks: list[Sink] = []
-    return ObservedOffloadingManager(manager, Observer(options, sinks))
+        options = dataclasses.replace(options, engine=f"pid{os.getpid()}")
+    observer = Observer(options)
+    if options.dir is not None:
+        from kvobs.journal import JournalSink
+
+        observer.sinks.append(JournalSink(options.dir, observer, vllm_version()))
+    from kvobs.tracing import TracingSink
+
+    observer.sinks.append(TracingSink(options.tracer_provider))
+    return ObservedOffloadingManager(manager, observer)

@@ -65,7 +65,7 @@ def test_coverage_mismatch_chunk_never_stored(managers: list, caplog: pytest.Log
     assert match["listed"] == "[(32, None)]" and match["range"] == "16-32"
     assert "never reported" in match["evidence"]
     assert [r.message for r in caplog.records if r.name == "kvobs"].__len__() == 1
-    assert m.observer.failures == {"coverage_mismatch": 1}
+    assert +m.observer.failures == {"coverage_mismatch": 1}
 
 
 def test_evicted_after_lookup_by_another_requests_store(managers: list) -> None:
@@ -81,7 +81,7 @@ def test_evicted_after_lookup_by_another_requests_store(managers: list) -> None:
     assert match["hist"] == "2"
     assert "capacity removal" in match["evidence"] and "path=store" in match["evidence"]
     assert "req_id='req-b'" in match["evidence"]
-    assert m.observer.near_misses == {"capacity": 1}
+    assert +m.observer.near_misses == {"capacity": 1}
 
 
 def test_evicted_after_lookup_by_a_tiering_promotion_inside_lookup(managers: list) -> None:
@@ -121,7 +121,7 @@ def test_reset_after_lookup(managers: list, extra: dict[str, Any]) -> None:
     match = failed_load(m, [key(1)], a)
     assert match["cause"] == "reset_after_lookup"
     assert "reset" in match["evidence"]
-    assert m.observer.evicted["reset"] == 1 and m.observer.near_misses == {"reset": 1}
+    assert m.observer.evicted["reset"] == 1 and +m.observer.near_misses == {"reset": 1}
 
 
 def test_store_failed_after_lookup_a_failed_promotion(managers: list) -> None:
@@ -166,12 +166,12 @@ def test_near_miss_counted_when_the_load_then_succeeds(managers: list) -> None:
     m.complete_load([], b)
     store(m, [key(1)], c)  # ...and stored again before req-a's load
     m.prepare_load([key(1)], a)  # no assertion
-    assert m.observer.near_misses == {"capacity": 1}
-    assert not m.observer.failures
+    assert +m.observer.near_misses == {"capacity": 1}
+    assert not +m.observer.failures
     # Once pinned, later evictions of the request's chunks are not near misses.
     m.complete_load([key(1)], a)
     store(m, [key(5), key(6)], b)
-    assert m.observer.near_misses == {"capacity": 1}
+    assert +m.observer.near_misses == {"capacity": 1}
 
 
 def test_kvobs_internal_fault_never_changes_the_assertion(managers: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,4 +185,4 @@ def test_kvobs_internal_fault_never_changes_the_assertion(managers: list, monkey
     with pytest.raises(AssertionError) as info:
         m.prepare_load([key(9)], a)
     assert str(info.value) == f"Chunk {key(9)!r} not found in cache"
-    assert m.observer.internal_errors == {"diagnosis": 1}
+    assert +m.observer.internal_errors == {"diagnosis": 1}

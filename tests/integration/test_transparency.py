@@ -35,7 +35,7 @@ def test_random_sequences_give_identical_outcomes(extra: dict[str, Any]) -> None
                 assert same(expected, got, op), (seed, step, op, req, keys, expected, got)
                 if op == "prepare_load" and got.error is not None:
                     failures_seen += 1
-            assert not observed.observer.internal_errors, observed.observer.internal_errors
+            assert not +observed.observer.internal_errors, observed.observer.internal_errors
         finally:
             bare.manager.shutdown()
             observed.shutdown()

@@ -1,0 +1,306 @@
+"""Engine -> sidecar records: a per-engine append-only JSON-lines journal in ``KVOBS_DIR``.
+
+Why a journal: the engine must never block on the sidecar (or on anything), one
+sidecar must serve every DP rank of a node, and the evidence must outlive the
+EngineCore that the failed assertion kills. So:
+
+* the scheduler thread only appends a tuple to a bounded deque (full: the record
+  is dropped and counted, never waited for); a daemon thread writes the deque
+  out every ``FLUSH_EVERY_S`` with cumulative ``totals`` (exact counters even if
+  batches were dropped, and nothing double counted by a restarted sidecar);
+* a failed load writes its report file synchronously (temp file, fsync, rename,
+  fsync of the directory) and drains the journal before the exception leaves
+  kvobs: the process is about to die;
+* files are bounded: segments roll at ``SEGMENT_BYTES`` and only ``KEEP_SEGMENTS``
+  are kept per engine process; at most ``KEEP_REPORTS`` failure reports.
+
+Layout: ``DIR/journal/<engine>-<pid>.<seq>.jsonl`` and ``DIR/failures/*.json``,
+directories 0700 and files 0600 (keys are hashes; no prompt text is written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvobs.diagnosis import Diagnosis
+from kvobs.keys import decode_key
+from kvobs.observer import RemovalBatch, Sink
+from kvobs.verdicts import NearMiss
+
+if TYPE_CHECKING:
+    from kvobs.observer import Observer
+
+FORMAT_VERSION = 1
+FLUSH_EVERY_S = 0.25
+QUEUE_RECORDS = 65_536
+SEGMENT_BYTES = 16 * 2**20
+KEEP_SEGMENTS = 4
+KEEP_REPORTS = 1_000
+KEYS_PER_RECORD = 256  # key prefixes listed per batch record (for `kvobs explain`)
+FAILURE_FLUSH_TIMEOUT_S = 2.0
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (0700) if needed; kvobs writes only inside its directory."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write a whole file so that it survives a crash right after this returns."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def key_ref(key: bytes) -> str:
+    """A key as journaled: the first 8 bytes of its block hash in hex, then its group."""
+    decoded = decode_key(key)
+    return f"{decoded.hash_prefix}/{decoded.group}"
+
+
+def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_time: float) -> dict[str, Any]:
+    """Every field of the message as structured data (GET /api/v1/failures serves these)."""
+    failure = diagnosis.failure
+    return {
+        "kind": "failure",
+        "format": FORMAT_VERSION,
+        "engine": engine,
+        "pid": os.getpid(),
+        "time": wall_time,
+        "exception_type": type(exc).__name__,
+        "vllm_message": failure.vllm_message,
+        "message": diagnosis.message,
+        "req_id": failure.req_id,
+        "group": failure.failing_group,
+        "cause": diagnosis.cause,
+        "causes": diagnosis.causes,
+        "num_keys": failure.num_keys,
+        "num_missing": len(diagnosis.keys),
+        "end_token_range": list(failure.end_token_range) if failure.end_token_range else None,
+        "history_keys": failure.history_keys,
+        "history_window_s": failure.history_window_s,
+        "missing": [
+            {
+                "key": key_ref(k.facts.key),
+                "group": k.facts.group,
+                "end_token": k.facts.end_token,
+                "state": k.facts.state,
+                "cause": k.cause,
+                "seconds_since_eviction": k.age_s,
+                "reported": None if k.facts.verdict is None else ("HIT_PENDING" if k.facts.verdict.pending else "HIT"),
+                "last_removal": None
+                if k.facts.last_removal is None
+                else {
+                    "reason": k.facts.last_removal.reason,
+                    "path": k.facts.last_removal.path,
+                    "req_id": k.facts.last_removal.req_id,
+                },
+                "evidence": k.evidence,
+            }
+            for k in diagnosis.keys
+        ],
+    }
+
+
+class JournalSink(Sink):
+    """Writes an engine's records for the sidecar; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike[str], observer: Observer, vllm_version: str = "") -> None:
+        self.root = private_dir(Path(directory))
+        self.journal_dir = private_dir(self.root / "journal")
+        self.failures_dir = private_dir(self.root / "failures")
+        self.observer = observer
+        self.engine = observer.options.engine or f"pid{os.getpid()}"
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self.dropped = 0
+        self._write_lock = threading.Lock()
+        self._seq = 0
+        self._segment_bytes = 0
+        self._fd: int | None = None
+        self._wall_offset = time.time() - time.monotonic()
+        self._reports = 0
+        self._closed = threading.Event()
+        self._enqueue(("hello", vllm_version))
+        self._thread = threading.Thread(target=self._run, name="kvobs-journal", daemon=True)
+        self._thread.start()
+
+    # -- scheduler thread: O(1), never blocks ---------------------------------------
+
+    def _enqueue(self, record: tuple[Any, ...]) -> None:
+        if len(self._queue) >= QUEUE_RECORDS:
+            self.dropped += 1
+            return
+        self._queue.append(record)
+
+    def on_removal(self, batch: RemovalBatch) -> None:
+        self._enqueue(("batch", batch))
+
+    def on_near_miss(self, near_misses: list[NearMiss] | Any, reason: str) -> None:
+        self._enqueue(("near_miss", reason, len(near_misses)))
+
+    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+        """Durable report, then a bounded synchronous drain of the journal."""
+        report = failure_report(diagnosis, exc, self.engine, time.time())
+        name = f"{int(report['time'] * 1000):015d}-{self.engine}-{os.getpid()}-{self._reports}.json"
+        self._reports += 1
+        write_durably(self.failures_dir / name, json.dumps(report, sort_keys=True).encode())
+        self._prune_reports()
+        self._enqueue(("failure", name, report["cause"]))
+        self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
+
+    # -- writer ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed.wait(FLUSH_EVERY_S):
+            try:
+                self.flush()
+            except Exception as exc:  # never kill the thread; counted
+                self.observer.internal_error("journal", exc)
+
+    def flush(self, timeout: float = -1, durable: bool = False) -> bool:
+        """Write out what is queued plus current totals; False if the lock was not had in time."""
+        if not self._write_lock.acquire(timeout=timeout):
+            return False
+        try:
+            lines = []
+            while self._queue:
+                lines.append(self._encode(self._queue.popleft()))
+            lines.append(self._encode(("totals",)))
+            self._write(("\n".join(lines) + "\n").encode())
+            if durable and self._fd is not None:
+                os.fsync(self._fd)
+            return True
+        finally:
+            self._write_lock.release()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=FAILURE_FLUSH_TIMEOUT_S)
+        self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
+        with self._write_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None or self._segment_bytes + len(data) > SEGMENT_BYTES:
+            self._roll()
+        assert self._fd is not None
+        os.write(self._fd, data)
+        self._segment_bytes += len(data)
+
+    def _roll(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._seq += 1
+        path = self.journal_dir / f"{self.engine}-{os.getpid()}.{self._seq:06d}.jsonl"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._segment_bytes = 0
+        old = self._seq - KEEP_SEGMENTS
+        if old >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                (self.journal_dir / f"{self.engine}-{os.getpid()}.{old:06d}.jsonl").unlink()
+
+    def _prune_reports(self) -> None:
+        reports = sorted(self.failures_dir.glob("*.json"))
+        for stale in reports[: max(0, len(reports) - KEEP_REPORTS)]:
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+
+    def _encode(self, record: tuple[Any, ...]) -> str:
+        kind = record[0]
+        obs = self.observer
+        base: dict[str, Any] = {"k": kind, "e": self.engine, "pid": os.getpid()}
+        if kind == "batch":
+            batch: RemovalBatch = record[1]
+            groups: dict[int, int] = {}
+            for key in batch.keys:
+                group = int.from_bytes(key[-4:], "big")
+                groups[group] = groups.get(group, 0) + 1
+            base.update(
+                t=batch.time + self._wall_offset,
+                s=batch.serial,
+                r=batch.reason,
+                p=batch.path,
+                req=batch.req_id,
+                n=len(batch.keys),
+                g={str(g): n for g, n in groups.items()},
+                res=[round(a, 6) for a in batch.residency_s] if batch.residency_s else [],
+                keys=[key_ref(k) for k in batch.keys[:KEYS_PER_RECORD]],
+            )
+        elif kind == "near_miss":
+            base.update(t=time.time(), r=record[1], n=record[2])
+        elif kind == "failure":
+            base.update(t=time.time(), file=record[1], cause=record[2])
+        elif kind == "hello":
+            from kvobs import __version__
+
+            base.update(t=time.time(), version=__version__, vllm_version=record[1],
+                        history_size=obs.options.history_size, format=FORMAT_VERSION)
+        else:  # totals: cumulative, so a reader never double counts
+            stats = obs.history_stats
+            base.update(
+                t=time.time(),
+                evicted=dict(obs.evicted),
+                batches=dict(obs.batches),
+                near=dict(obs.near_misses),
+                failures=dict(obs.failures),
+                errors=dict(obs.internal_errors),
+                dropped={"journal": self.dropped, "verdicts": obs.verdicts.dropped},
+                hist_keys=stats.keys,
+                hist_window=stats.window(time.monotonic()),
+            )
+        return json.dumps(base, separators=(",", ":"))
+
+
+@dataclass
+class JournalPosition:
+    """How far a reader got in one journal file."""
+
+    offset: int = 0
+
+
+def read_new_records(
+    path: Path, position: JournalPosition, max_bytes: int = 8 * 2**20
+) -> Iterator[dict[str, Any] | None]:
+    """Complete records appended since ``position`` (None for a corrupt line); advances it.
+
+    A partial last line (the writer is mid-append, or died mid-append) is left for
+    the next call; a corrupt line is reported as None and skipped.
+    """
+    with open(path, "rb") as f:
+        f.seek(position.offset)
+        data = f.read(max_bytes)
+    end = data.rfind(b"\n")
+    if end < 0:
+        return
+    position.offset += end + 1
+    for line in data[: end + 1].splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            yield None
+            continue
+        yield record if isinstance(record, dict) else None
