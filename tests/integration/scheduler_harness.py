@@ -12,10 +12,10 @@ the tiering manager, its ``/dev/shm`` region and the in-memory "example" seconda
 ``Request`` with vLLM's own block hasher, ``KVCacheBlocks``, ``SchedulerOutput``,
 ``KVConnectorOutput``.
 
-What is not: the four ``ModelConfig`` facts that ``build_offloading_config`` reads (see
-``_ModelFacts``), GPU block allocation (a counter; block 0 is vLLM's null block), and the worker
-side, whose only effect on the scheduler is the job-completion report sent by
-``EngineStepDriver.report_worker_jobs``.
+What is not: the few ``ModelConfig`` members that ``build_offloading_config`` reads (see
+``_ModelFacts``), GPU block allocation (a counter, ids never reused; block 0 is vLLM's null
+block), and the worker side, whose only effect on the scheduler is the job-completion report
+sent by ``EngineStepDriver.report_worker_jobs``.
 """
 
 from __future__ import annotations
@@ -244,11 +244,13 @@ class _ReqState:
 class EngineStepDriver:
     """Plays vLLM's ``Scheduler`` for the connector scheduler's hooks.
 
-    Per ``step()``: every running request decodes one token, then each admitted request is
-    looked up (``get_num_new_matched_tokens``), given GPU blocks, passed to
-    ``update_state_after_alloc`` and either prefilled whole or parked until its async load is
-    reported done; then ``build_connector_meta`` runs with that step's ``SchedulerOutput``
-    (including requests finished since the last step), and the step's tokens are "computed".
+    Per ``step()``: every running request decodes one token, requests whose load was reported
+    done prefill the rest of their prompt, and each waiting request (admitted now, or deferred
+    by the connector earlier) is looked up (``get_num_new_matched_tokens``), given GPU blocks,
+    passed to ``update_state_after_alloc`` and either prefilled whole or parked until its async
+    load is reported done; then ``build_connector_meta`` runs with that step's
+    ``SchedulerOutput`` (including requests finished since the last step), and the step's
+    tokens are "computed".
     """
 
     scheduler: OffloadingConnectorScheduler
@@ -259,6 +261,7 @@ class EngineStepDriver:
     _running: list[str] = field(default_factory=list)
     _loading: dict[str, int] = field(default_factory=dict)  # req_id -> load job id
     _loaded: list[str] = field(default_factory=list)  # load done, waiting to prefill
+    _deferred: list[Request] = field(default_factory=list)  # lookup said "ask again"
     _finished: set[str] = field(default_factory=set)  # to report in the next step
     _pending_jobs: dict[int, str] = field(default_factory=dict)  # job id -> req id
     _next_block_id: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -303,16 +306,20 @@ class EngineStepDriver:
             num_scheduled[req_id] = 1
 
         for req_id in self._loaded:  # async load finished: prefill the rest
-            state = self._reqs[req_id]
-            state.request.status = RequestStatus.WAITING
-            self._admit(state, state.request.num_computed_tokens, num_scheduled, new_reqs)
+            request = self._reqs[req_id].request
+            request.status = RequestStatus.WAITING
+            if request.num_computed_tokens == request.num_tokens:  # recompute the last token
+                request.num_computed_tokens -= 1
+            self._admit(self._reqs[req_id], request.num_computed_tokens, num_scheduled, new_reqs)
         self._loaded.clear()
 
-        for request in admit:
+        waiting, self._deferred = [*self._deferred, *admit], []
+        for request in waiting:
             state = self._reqs[request.request_id]
             hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
             self.num_external_tokens[request.request_id] = hit
-            if hit is None:  # the connector asked to be asked again later
+            if hit is None:  # the connector asked to be asked again in a later step
+                self._deferred.append(request)
                 continue
             if load_async:
                 self._allocate(state, hit)
@@ -388,7 +395,7 @@ class EngineStepDriver:
         return KVCacheBlocks(tuple([KVCacheBlock(bid, is_null=bid == 0) for bid in table] for table in state.block_ids))
 
     def finish(self, request: Request) -> None:
-        """The request stopped after its last step (``Scheduler._free_request``)."""
+        """A running request stopped after its last step (``Scheduler._free_request``)."""
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self._running.remove(request.request_id)
         self.scheduler.request_finished(request)
@@ -440,9 +447,11 @@ class PromotionEvictsHitResult:
     num_hit_tokens: int | None
     """Its ``get_num_new_matched_tokens`` hit (80 when the bug triggers)."""
     promoted_key: OffloadKey
-    """Sliding-window chunk 6, found only in the secondary tier and promoted by the lookup."""
+    """Sliding-window chunk 6, found only in the secondary tier and promoted by the lookup
+    (hybrid runs; computed from the block hashes, not observed)."""
     evicted_hit_key: OffloadKey
-    """Full-attention chunk 4: a counted hit, evicted by that promotion, then loaded."""
+    """Full-attention chunk 4: a counted hit, evicted by that promotion, then loaded; its
+    repr is the key in the assertion message."""
 
 
 def reproduce_promotion_evicts_hit(
@@ -492,9 +501,8 @@ def reproduce_promotion_evicts_hit(
         c = make_request("c", prefix[:113])
 
         meta = driver.step([w3, w2])
-        (w3_job,) = [j for j, job in meta.store_jobs.items() if job.req_id == "w3"]
-        (w2_job,) = [j for j, job in meta.store_jobs.items() if job.req_id == "w2"]
-        driver.report_worker_jobs([w2_job])
+        (w2_job,) = [j for j, job in meta.store_jobs.items() if job.req_id == w2.request_id]
+        driver.report_worker_jobs([w2_job])  # w3's store stays in flight: not evictable
         driver.finish(w2)
         driver.step()  # delivers w2's finish: on_request_finished re-ranks its chunks
         driver.step([filler])

@@ -1,0 +1,1 @@
+"""``kvobs serve``: reads the engines' journals, keeps the Prometheus registry, serves HTTP."""

@@ -1,0 +1,107 @@
+"""Follow every engine's journal files and failure reports in a kvobs directory.
+
+Picks up engines that start later (new files), keeps what it has when they die,
+forgets the position of rotated-away files, and checkpoints its state (with
+every file offset) atomically, so a restart neither loses nor double counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+from kvobs.journal import JournalPosition, private_dir, read_new_records, write_durably
+from kvobs.sidecar.state import SidecarState, load_checkpoint
+
+logger = logging.getLogger("kvobs.sidecar")
+
+CHECKPOINT = "sidecar-state.json"
+POLL_S = 0.5
+CHECKPOINT_EVERY_S = 5.0
+MAX_REPORT_BYTES = 4 * 2**20
+
+
+class Ingest:
+    """Folds new records into ``state`` under ``lock``; call ``poll()`` or ``run()``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = private_dir(directory)
+        self.checkpoint_path = self.dir / CHECKPOINT
+        self.lock = threading.Lock()
+        self.errors = 0
+        try:
+            restored = load_checkpoint(self.checkpoint_path)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.error("kvobs sidecar: ignoring unreadable checkpoint %s: %r", self.checkpoint_path, exc)
+            restored, self.errors = None, 1
+        self.state = restored or SidecarState()
+        self.last_poll = 0.0
+        self._last_checkpoint = time.monotonic()
+        self._stop = threading.Event()
+
+    def poll(self) -> None:
+        """Read whatever is new; checkpoint when due."""
+        journal_dir = self.dir / "journal"
+        files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+        with self.lock:
+            state = self.state
+            present = {f.name for f in files}
+            for name in [n for n in state.positions if n not in present]:
+                del state.positions[name]  # rotated away or removed
+            for path in files:
+                position = JournalPosition(state.positions.get(path.name, 0))
+                try:
+                    for record in read_new_records(path, position):
+                        state.apply(record)
+                except FileNotFoundError:
+                    continue
+                state.positions[path.name] = position.offset
+            self._read_reports()
+            self.last_poll = time.time()
+        if time.monotonic() - self._last_checkpoint >= CHECKPOINT_EVERY_S:
+            self.checkpoint()
+
+    def _read_reports(self) -> None:
+        failures = self.dir / "failures"
+        if not failures.is_dir():
+            return
+        for path in sorted(failures.glob("*.json")):
+            if path.name in self.state.reports_seen:
+                continue
+            try:
+                if path.stat().st_size > MAX_REPORT_BYTES:
+                    raise ValueError("report too large")
+                report = json.loads(path.read_bytes())
+                if not isinstance(report, dict):
+                    raise ValueError("report is not an object")
+            except FileNotFoundError:
+                continue
+            except ValueError:
+                self.state.reports_seen.add(path.name)
+                self.state.corrupt += 1
+                continue
+            self.state.apply_report(path.name, report)
+
+    def checkpoint(self) -> None:
+        with self.lock:
+            data = json.dumps(self.state.to_json()).encode()
+        write_durably(self.checkpoint_path, data)
+        self._last_checkpoint = time.monotonic()
+
+    def run(self) -> None:
+        """Poll until ``stop()``; a failing round is counted and logged, never fatal."""
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception as exc:
+                self.errors += 1
+                if self.errors == 1:
+                    logger.exception("kvobs sidecar ingest round failed: %r", exc)
+            self._stop.wait(POLL_S)
+        self.checkpoint()
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,138 @@
+"""The Prometheus view of the sidecar's state (a custom collector, built per scrape)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvobs import __version__
+from kvobs.diagnosis import CAUSES
+from kvobs.history import REASONS
+from kvobs.observer import STAGES
+from kvobs.sidecar.ingest import Ingest
+from kvobs.sidecar.state import Histogram
+
+DROP_STAGES = ("journal", "verdicts", "ingest")
+
+
+def _hist(family: HistogramMetricFamily, labels: list[str], hist: Histogram | None) -> None:
+    hist = hist or Histogram()
+    family.add_metric(labels, hist.buckets(), hist.total)
+
+
+class KvobsCollector(Collector):
+    """Every metric of DESIGN.md; every reason/cause/stage label value present from the start."""
+
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
+
+    def collect(self) -> Iterator[Metric]:
+        evicted = CounterMetricFamily(
+            "kvobs_evicted_chunks", "Chunks removed from the CPU tier.", labels=["engine", "reason"]
+        )
+        batches = CounterMetricFamily(
+            "kvobs_eviction_batches", "Removal batches from the CPU tier.", labels=["engine", "reason"]
+        )
+        failures = CounterMetricFamily(
+            "kvobs_load_failures", "Failed prepare_load calls by cause.", labels=["engine", "cause"]
+        )
+        missing = CounterMetricFamily(
+            "kvobs_missing_chunks",
+            "Chunks missing at a failed load, by cause and KV group.",
+            labels=["engine", "cause", "group"],
+        )
+        age = HistogramMetricFamily(
+            "kvobs_missing_chunk_eviction_age_seconds",
+            "Seconds between a missing chunk's last removal and the failed load.",
+            labels=["engine", "group"],
+        )
+        residency = HistogramMetricFamily(
+            "kvobs_chunk_residency_seconds",
+            "Seconds a chunk stayed in the CPU tier (store to removal).",
+            labels=["engine", "reason"],
+        )
+        near = CounterMetricFamily(
+            "kvobs_hits_evicted_before_load",
+            "Chunks a lookup reported that were removed before the request's load pinned them (near misses).",
+            labels=["engine", "reason"],
+        )
+        hist_chunks = GaugeMetricFamily("kvobs_history_chunks", "Keys in the eviction history.", labels=["engine"])
+        hist_window = GaugeMetricFamily(
+            "kvobs_history_window_seconds", "How far back the eviction history reaches.", labels=["engine"]
+        )
+        dropped = CounterMetricFamily(
+            "kvobs_dropped_records", "Records kvobs dropped to stay bounded.", labels=["engine", "stage"]
+        )
+        errors = CounterMetricFamily(
+            "kvobs_internal_errors",
+            "Faults of kvobs's own (counted, never raised into vLLM).",
+            labels=["engine", "stage"],
+        )
+        build = GaugeMetricFamily(
+            "kvobs_build_info",
+            "kvobs and vLLM versions, per engine (engine=sidecar: this process).",
+            labels=["engine", "version", "vllm_version"],
+        )
+        last = GaugeMetricFamily(
+            "kvobs_engine_last_record_timestamp_seconds",
+            "Wall time of the newest record from each engine.",
+            labels=["engine"],
+        )
+        ingest = self.ingest
+        with ingest.lock:
+            state = ingest.state
+            build.add_metric(["sidecar", __version__, ""], 1)
+            for name, engine in sorted(state.engines.items()):
+                totals = engine.totals()
+                latest = engine.latest()
+                for reason in REASONS:
+                    evicted.add_metric([name, reason], totals.get("evicted", {}).get(reason, 0))
+                    batches.add_metric([name, reason], totals.get("batches", {}).get(reason, 0))
+                    near.add_metric([name, reason], totals.get("near", {}).get(reason, 0))
+                    _hist(residency, [name, reason], engine.residency.get(reason))
+                for cause in CAUSES:
+                    failures.add_metric([name, cause], totals.get("failures", {}).get(cause, 0))
+                    for group in sorted(engine.groups or {"0"}):
+                        missing.add_metric([name, cause, group], engine.missing.get((cause, group), 0))
+                for group in sorted(engine.groups or {"0"}):
+                    _hist(age, [name, group], engine.missing_age.get(group))
+                for stage in DROP_STAGES:
+                    dropped.add_metric([name, stage], totals.get("dropped", {}).get(stage, 0))
+                for stage in STAGES:
+                    errors.add_metric([name, stage], totals.get("errors", {}).get(stage, 0))
+                hist_chunks.add_metric([name], float(latest.get("hist_keys") or 0))
+                hist_window.add_metric([name], float(latest.get("hist_window") or 0.0))
+                build.add_metric(
+                    [name, str(engine.hello.get("version", "")), str(engine.hello.get("vllm_version", ""))], 1
+                )
+                last.add_metric([name], engine.last_record_time)
+            dropped.add_metric(["sidecar", "ingest"], state.corrupt)
+            errors.add_metric(["sidecar", "sidecar"], ingest.errors)
+            records = state.records
+            engines = len(state.engines)
+            last_poll = ingest.last_poll
+        yield from (
+            evicted,
+            batches,
+            failures,
+            missing,
+            age,
+            residency,
+            near,
+            hist_chunks,
+            hist_window,
+            dropped,
+            errors,
+        )
+        yield from (build, last)
+        ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")
+        ingested.add_metric([], records)
+        yield ingested
+        seen = GaugeMetricFamily("kvobs_sidecar_engines", "Engines the sidecar has seen.")
+        seen.add_metric([], engines)
+        yield seen
+        poll = GaugeMetricFamily("kvobs_sidecar_last_poll_timestamp_seconds", "Wall time of the last ingest round.")
+        poll.add_metric([], last_poll)
+        yield poll

@@ -1,0 +1,158 @@
+"""The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures. Nothing changes state.
+
+Bounded: at most ``MAX_CONNECTIONS`` handled at once (more are closed at once),
+a socket timeout against slow clients, request lines and headers capped by
+``http.server``, and at most ``MAX_FAILURES`` reports per response.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from kvobs.sidecar.ingest import Ingest
+from kvobs.sidecar.metrics import KvobsCollector
+
+MAX_CONNECTIONS = 32
+SOCKET_TIMEOUT_S = 10.0
+MAX_FAILURES = 1_000
+DEFAULT_FAILURES = 100
+MAX_REPORT_BYTES = 4 * 2**20
+
+
+def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
+    """Failure reports, newest first (file names start with the millisecond wall time)."""
+    if not failures_dir.is_dir():
+        return []
+    out: list[dict[str, Any]] = []
+    for path in sorted(failures_dir.glob("*.json"), reverse=True):
+        if len(out) >= limit:
+            break
+        try:
+            if path.stat().st_size > MAX_REPORT_BYTES:
+                continue
+            report = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(report, dict):
+            report["id"] = path.stem
+            out.append(report)
+    return out
+
+
+class SidecarServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], ingest: Ingest) -> None:
+        self.ingest = ingest
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KvobsCollector(ingest))
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.started = time.time()
+        super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the bound: refuse rather than queue
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: SidecarServer
+    timeout = SOCKET_TIMEOUT_S
+    protocol_version = "HTTP/1.1"
+    server_version = "kvobs"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: Prometheus scrapes often
+        return
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload, indent=1).encode(), "application/json")
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        if url.path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._send(HTTPStatus.OK, encoder(self.server.registry), content_type)
+        elif url.path == "/healthz":
+            ingest = self.server.ingest
+            with ingest.lock:
+                engines = len(ingest.state.engines)
+            age = time.time() - ingest.last_poll if ingest.last_poll else None
+            healthy = age is not None and age < 30
+            self._json(
+                HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE,
+                {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age},
+            )
+        elif url.path == "/api/v1/failures":
+            query = parse_qs(url.query)
+            try:
+                limit = int(query.get("limit", [DEFAULT_FAILURES])[0])
+                if not 1 <= limit <= MAX_FAILURES:
+                    raise ValueError
+            except ValueError:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": f"limit must be an integer in [1, {MAX_FAILURES}]"})
+                return
+            failures = recent_failures(self.server.ingest.dir / "failures", limit)
+            self._json(HTTPStatus.OK, {"failures": failures})
+        elif url.path == "/":
+            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/api/v1/failures"]})
+        else:
+            self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def _refuse(self) -> None:
+        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Length", "0")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _refuse
+
+
+def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464) -> None:
+    """Run ingest and HTTP until interrupted; checkpoint on the way out."""
+    ingest = Ingest(directory)
+    ingest.poll()
+    worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
+    worker.start()
+    server = SidecarServer((host, port), ingest)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()
+        ingest.stop()
+        worker.join(timeout=10)
