@@ -85,6 +85,11 @@ class ObservedOffloadingManager(OffloadingManager):
     def inner(self) -> OffloadingManager:
         return self._kvobs_inner
 
+    @property
+    def cpu_policy(self) -> Any:
+        """The hooked cache policy of the CPU tier (None for a manager kvobs cannot hook)."""
+        return None if self._kvobs_cpu is None else self._kvobs_cpu._policy
+
     # -- removal reports from the policy hook ----------------------------------
 
     def _kvobs_on_removal(
