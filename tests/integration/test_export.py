@@ -177,3 +177,32 @@ def test_journal_and_reports_are_private_files(tmp_path: Path) -> None:
     for path in [directory / "journal", directory / "failures", *directory.rglob("*.json*")]:
         mode = path.stat().st_mode & 0o777
         assert mode & 0o077 == 0, (path, oct(mode))
+
+
+def test_failure_span_joins_the_requests_trace_when_the_connector_carried_it() -> None:
+    """ObservedOffloadingConnector stores Request.trace_headers on the ReqContext; the span joins that trace."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvobs.vllm.trace_context import TraceHeaders
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    manager = kvobs.observe(create_manager(cpu_extra(2)), tracer_provider=provider)
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    a = ReqContext("req-a")
+    a.set_state(TraceHeaders({"traceparent": f"00-{trace_id}-{parent_id}-01"}))
+    manager.on_new_request(a)
+    with pytest.raises(AssertionError):
+        manager.prepare_load([key(1)], a)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kv_offload.prepare_load"
+    assert f"{span.context.trace_id:032x}" == trace_id and span.parent is not None
+    assert f"{span.parent.span_id:016x}" == parent_id
+    b = ReqContext("req-b")  # no carried context: a fresh trace, not EngineCore's stale startup one
+    manager.on_new_request(b)
+    with pytest.raises(AssertionError):
+        manager.prepare_load([key(2)], b)
+    assert exporter.get_finished_spans()[1].parent is None
+    manager.shutdown()
