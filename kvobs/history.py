@@ -24,6 +24,7 @@ small. Documented in docs/design.md.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,6 +46,9 @@ PATHS: tuple[str, ...] = (
 """Which manager entry point was running when the removal happened."""
 
 _MIN_BATCHES = 1024
+_RESET = REASONS.index("reset")
+KEEP_RESETS = 64
+"""Resets are rare and a reset batch may list no keys, so they are also kept on the side."""
 _FLUSH_AT_KEYS = 4096
 
 
@@ -94,6 +98,7 @@ class EvictionHistory:
         self._batches_folded = 0
         self._next_serial = 0
         self._pending: list[tuple[Sequence[bytes], float, int, str | None]] = []
+        self._resets: deque[Removal] = deque(maxlen=KEEP_RESETS)
         self._pending_keys = 0
 
     @property
@@ -112,9 +117,10 @@ class EvictionHistory:
         """Record one removal batch (an empty batch marks e.g. a reset); return its serial."""
         serial = self._next_serial
         self._next_serial = serial + 1
-        self._pending.append(
-            (keys, time.monotonic() if now is None else now, reason | (path << 2), req_id)
-        )
+        now = time.monotonic() if now is None else now
+        self._pending.append((keys, now, reason | (path << 2), req_id))
+        if reason == _RESET:
+            self._resets.append(Removal(serial, now, REASONS[reason], PATHS[path], req_id))
         self._pending_keys += len(keys)
         if self._pending_keys >= _FLUSH_AT_KEYS:
             self._fold()
@@ -195,16 +201,9 @@ class EvictionHistory:
             out.append(self._removal(serial) if serial >= oldest_live else None)
         return out
 
-    def removals_since(self, serial: int, reason: str) -> list[Removal]:
-        """Batches of ``reason`` with a serial >= ``serial`` still held (e.g. resets)."""
-        self._fold()
-        first = max(serial, self._oldest_live_serial())
-        code = REASONS.index(reason)
-        found = []
-        for s in range(first, self._batches_folded):
-            if int(self._batch_flags[s % self.batch_capacity]) & 0b11 == code:
-                found.append(self._removal(s))
-        return found
+    def reset_since(self, serial: int) -> Removal | None:
+        """The first reset with a serial >= ``serial`` among the last ``KEEP_RESETS`` resets."""
+        return next((reset for reset in self._resets if reset.serial >= serial), None)
 
     def stats(self) -> HistoryStats:
         """How many keys and batches are held, and the time span they cover."""

@@ -138,8 +138,7 @@ class Observer:
             verdict = self.verdicts.get(req_id, key)
             reset: Removal | None = None
             if verdict is not None and (removal is None or removal.serial < verdict.serial):
-                resets = self.history.removals_since(verdict.serial, "reset")
-                reset = resets[0] if resets else None
+                reset = self.history.reset_since(verdict.serial)
             out.append(KeyFacts(key, group, end_token, state, verdict, removal, reset))
         return out
 

@@ -93,14 +93,15 @@ def test_serials_survive_32_bit_wraparound() -> None:
     assert last is not None and last.serial == start + 5 and last.req_id == "r5"
 
 
-def test_removals_since_finds_resets_after_a_serial() -> None:
+def test_reset_since_finds_the_first_reset_after_a_serial() -> None:
     history = EvictionHistory(4096)
     history.record(keys(1), RESET, PATHS.index("reset"), None, now=1.0)
     mark = history.next_serial
     history.record(keys(1), CAPACITY, STORE, None, now=2.0)
     history.record([], RESET, PATHS.index("reset"), None, now=3.0)
-    found = history.removals_since(mark, "reset")
-    assert [r.time for r in found] == [3.0]
+    found = history.reset_since(mark)
+    assert found is not None and found.time == 3.0 and found.reason == "reset"
+    assert history.reset_since(history.next_serial) is None
 
 
 def test_one_million_keys_fit_in_sixteen_mib() -> None:
