@@ -45,6 +45,7 @@ QUEUE_RECORDS = 65_536
 SEGMENT_BYTES = 16 * 2**20
 KEEP_SEGMENTS = 4
 KEEP_REPORTS = 1_000
+MAX_REPORT_BYTES = 4 * 2**20
 KEYS_PER_RECORD = 256  # key prefixes listed per batch record (for `kvobs explain`)
 FAILURE_FLUSH_TIMEOUT_S = 2.0
 
@@ -120,6 +121,16 @@ def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_t
             for k in diagnosis.keys
         ],
     }
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A failure report file; ValueError if it is too large, not JSON or not an object."""
+    if path.stat().st_size > MAX_REPORT_BYTES:
+        raise ValueError(f"report larger than {MAX_REPORT_BYTES} bytes")
+    report = json.loads(path.read_bytes())
+    if not isinstance(report, dict):
+        raise ValueError("report is not a JSON object")
+    return report
 
 
 class JournalSink(Sink):

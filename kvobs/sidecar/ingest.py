@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvobs.journal import JournalPosition, private_dir, read_new_records, write_durably
+from kvobs.journal import JournalPosition, private_dir, read_new_records, read_report, write_durably
 from kvobs.sidecar.state import SidecarState, load_checkpoint
 
 logger = logging.getLogger("kvobs.sidecar")
@@ -21,7 +21,6 @@ logger = logging.getLogger("kvobs.sidecar")
 CHECKPOINT = "sidecar-state.json"
 POLL_S = 0.5
 CHECKPOINT_EVERY_S = 5.0
-MAX_REPORT_BYTES = 4 * 2**20
 
 
 class Ingest:
@@ -72,11 +71,7 @@ class Ingest:
             if path.name in self.state.reports_seen:
                 continue
             try:
-                if path.stat().st_size > MAX_REPORT_BYTES:
-                    raise ValueError("report too large")
-                report = json.loads(path.read_bytes())
-                if not isinstance(report, dict):
-                    raise ValueError("report is not an object")
+                report = read_report(path)
             except FileNotFoundError:
                 continue
             except ValueError:

@@ -19,6 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from kvobs.journal import read_report
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 
@@ -26,7 +27,6 @@ MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
-MAX_REPORT_BYTES = 4 * 2**20
 
 
 def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
@@ -38,14 +38,11 @@ def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
         if len(out) >= limit:
             break
         try:
-            if path.stat().st_size > MAX_REPORT_BYTES:
-                continue
-            report = json.loads(path.read_bytes())
+            report = read_report(path)
         except (OSError, ValueError):
             continue
-        if isinstance(report, dict):
-            report["id"] = path.stem
-            out.append(report)
+        report["id"] = path.stem
+        out.append(report)
     return out
 
 
