@@ -26,13 +26,13 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvobs.diagnosis import Diagnosis
-from kvobs.keys import decode_key
+from kvobs.keys import decode_key, key_group
 from kvobs.observer import RemovalBatch, Sink
 from kvobs.verdicts import NearMiss
 
@@ -166,7 +166,7 @@ class JournalSink(Sink):
     def on_removal(self, batch: RemovalBatch) -> None:
         self._enqueue(("batch", batch))
 
-    def on_near_miss(self, near_misses: list[NearMiss] | Any, reason: str) -> None:
+    def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         self._enqueue(("near_miss", reason, len(near_misses)))
 
     def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
@@ -246,7 +246,7 @@ class JournalSink(Sink):
             batch: RemovalBatch = record[1]
             groups: dict[int, int] = {}
             for key in batch.keys:
-                group = int.from_bytes(key[-4:], "big")
+                group = key_group(key)
                 groups[group] = groups.get(group, 0) + 1
             base.update(
                 t=batch.time + self._wall_offset,

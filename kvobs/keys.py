@@ -24,7 +24,7 @@ def decode_key(key: bytes) -> DecodedKey:
     """Split an offload key into its block hash and KV-cache group index."""
     if len(key) < 5:
         raise ValueError(f"an offload key has at least 5 bytes (hash + 4-byte group), got {len(key)}")
-    return DecodedKey(bytes(key[:-4]), int.from_bytes(key[-4:], "big"))
+    return DecodedKey(bytes(key[:-4]), key_group(key))
 
 
 def key_group(key: bytes) -> int:

@@ -60,8 +60,7 @@ class Histogram:
     total: float = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
-        self.total += value
+        self.observe_many((value,))
 
     def observe_many(self, values: Iterable[float]) -> None:
         counts = self.counts

@@ -109,9 +109,6 @@ class ObservedOffloadingManager(OffloadingManager):
         self._kvobs_path_req = None if req_context is None else req_context.req_id
         self._kvobs_path_thread = threading.get_ident()
 
-    def _kvobs_leave(self) -> None:
-        self._kvobs_path_thread = 0
-
     # -- OffloadingManager ------------------------------------------------------
 
     @property
