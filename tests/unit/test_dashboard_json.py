@@ -1,0 +1,236 @@
+"""Dashboards and rules are portable and complete: checked on the files as shipped (no Grafana needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
+RULES = ROOT / "dashboards" / "rules"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+GRAFANA_BUILTIN = {"type": "grafana", "uid": "-- Grafana --"}  # the built-in annotation source, no real uid
+VARIABLES = ("datasource", "model", "instance", "engine")
+
+
+def load(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def walk(node: Any, path: str = "") -> Iterator[tuple[str, str, Any]]:
+    """Every (path, key, value) pair of a JSON document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield path, k, v
+            yield from walk(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from walk(v, f"{path}[{i}]")
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def exprs(dashboard: dict[str, Any]) -> Iterator[str]:
+    """Every PromQL expression: panel targets and annotations."""
+    for panel in panels(dashboard):
+        for target in panel.get("targets", []):
+            yield target["expr"]
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            yield annotation["expr"]
+
+
+def call_args(expr: str, func: str) -> Iterator[list[str]]:
+    """The top-level arguments of every call of ``func`` in ``expr``."""
+    for match in re.finditer(rf"\b{func}\s*\(", expr):
+        depth, start, args = 1, match.end(), []
+        i = start
+        while depth:
+            c = expr[i]
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            if (c == "," and depth == 1) or depth == 0:
+                args.append(expr[start:i].strip())
+                start = i + 1
+            i += 1
+        yield args
+
+
+def selectors(expr: str) -> Iterator[tuple[str, str | None]]:
+    """(metric name, label matchers or None) for every kvobs/vLLM/up/recorded series an expression reads."""
+    for match in re.finditer(r"\b((?:[a-z_]+:)?kvobs_\w+(?::\w+)?|vllm:\w+|up)(\s*\{([^}]*)\})?", expr):
+        if expr[match.end():].lstrip().startswith("(") and match.group(2) is None:
+            continue  # a function of that name, not a series
+        yield match.group(1), match.group(3)
+
+
+def recorded_names() -> set[str]:
+    doc = yaml.safe_load((RULES / "kvobs-recording.yaml").read_text())
+    return {rule["record"] for group in doc["groups"] for rule in group["rules"]}
+
+
+def alerts() -> list[dict[str, Any]]:
+    doc = yaml.safe_load((RULES / "kvobs-alerts.yaml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def test_there_is_a_dashboard_and_provisioning() -> None:
+    assert [p.name for p in DASHBOARDS] == ["kvobs-offload.json"]
+    provisioning = ROOT / "dashboards" / "provisioning"
+    sources = [yaml.safe_load(p.read_text()) for p in (provisioning / "datasources").glob("*.yaml")]
+    assert any(ds["type"] == "prometheus" for doc in sources for ds in doc["datasources"])
+    providers = [yaml.safe_load(p.read_text()) for p in (provisioning / "dashboards").glob("*.yaml")]
+    assert any(p["type"] == "file" and p["options"]["path"] for doc in providers for p in doc["providers"])
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_datasource_is_the_variable_everywhere_and_no_uid_is_hard_coded(path: Path) -> None:
+    dashboard = load(path)
+    assert "__inputs" not in dashboard and "__requires" not in dashboard  # not an "export for sharing" file
+    seen = 0
+    for where, key, value in walk(dashboard):
+        if key == "datasource":
+            seen += 1
+            if where.startswith(".templating") and isinstance(value, str):
+                continue
+            assert value == DS or (value == GRAFANA_BUILTIN and where.startswith(".annotations")), (where, value)
+        if key == "uid" and where != "":  # the dashboard's own uid is its stable URL, not a data source
+            assert value in (DS["uid"], GRAFANA_BUILTIN["uid"]), (where, value)
+    assert seen > 20
+    for panel in panels(dashboard):
+        if panel["type"] != "row":
+            assert panel["datasource"] == DS and panel["targets"], panel["title"]
+            assert all(t["datasource"] == DS for t in panel["targets"]), panel["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_variables_datasource_model_instance_engine(path: Path) -> None:
+    variables = load(path)["templating"]["list"]
+    assert [v["name"] for v in variables] == list(VARIABLES)
+    source = variables[0]
+    assert source["type"] == "datasource" and source["query"] == "prometheus"
+    defined = {"datasource"}
+    for var in variables[1:]:
+        query = var["query"]["query"]
+        assert var["type"] == "query" and var["datasource"] == DS
+        match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", query)
+        assert match is not None and match.group(3) == var["name"], query
+        assert set(re.findall(r"\$(\w+)", query)) <= defined, f"{var['name']} uses a later variable: {query}"
+        assert var["includeAll"] and var["multi"] and var["allValue"] == ".*"
+        defined.add(var["name"])
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_rate_uses_rate_interval_and_every_quantile_sums_by_le(path: Path) -> None:
+    dashboard = load(path)
+    all_exprs = list(exprs(dashboard))
+    assert len(all_exprs) > 30
+    quantiles = 0
+    for expr in all_exprs:
+        for window in re.findall(r"\[([^\]]*)\]", expr):
+            assert window == "$__rate_interval", expr
+        for func in ("rate", "increase", "irate", "delta", "deriv"):
+            for args in call_args(expr, func):
+                assert args[0].endswith("[$__rate_interval]"), expr
+        for args in call_args(expr, "histogram_quantile"):
+            quantiles += 1
+            by = re.match(r"sum by \(([^)]*)\) \(", args[1])
+            assert by is not None and "le" in [label.strip() for label in by.group(1).split(",")], expr
+            assert "_bucket{" in args[1], expr
+    assert quantiles >= 6
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_series_follows_the_variables(path: Path) -> None:
+    """Each selector filters by $model and $instance; kvobs's per-engine series also by $engine."""
+    recorded = recorded_names()
+    no_engine = {"up", "kvobs_sidecar_engines", "kvobs_sidecar_records_total",
+                 "kvobs_sidecar_last_poll_timestamp_seconds"}
+    for expr in exprs(load(path)):
+        found = list(selectors(expr))
+        assert found, expr
+        for name, matchers in found:
+            assert matchers is not None, f"{name} without a label selector in {expr}"
+            assert 'model=~"$model"' in matchers and 'instance=~"$instance"' in matchers, expr
+            if name.startswith("vllm:"):
+                assert "$engine" not in matchers  # vLLM's engine label is an index, not kvobs's dp<rank>
+            elif name not in no_engine:
+                assert 'engine=~"$engine"' in matchers, expr
+            if ":" in name and not name.startswith("vllm:"):
+                assert name in recorded, f"{name} is not a recording rule of kvobs-recording.yaml"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_the_panels_operators_need_are_there(path: Path) -> None:
+    dashboard = load(path)
+    text = "\n".join(exprs(dashboard))
+    for metric in (
+        "kvobs_evicted_chunks_total", "kvobs_eviction_batches_total", "kvobs_chunk_residency_seconds_bucket",
+        "kvobs_history_window_seconds", "kvobs_history_chunks", "kvobs_load_failures_total",
+        "kvobs_missing_chunks_total", "kvobs_hits_evicted_before_load_total",
+        "kvobs_missing_chunk_eviction_age_seconds_bucket", "kvobs_sidecar_records_total",
+        "kvobs_sidecar_last_poll_timestamp_seconds", "kvobs_engine_last_record_timestamp_seconds",
+        "kvobs_dropped_records_total", "kvobs_internal_errors_total", "kvobs_build_info",
+        "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_store_bytes_total",
+    ):
+        assert metric in text, metric
+    assert {"sum by (reason)", "sum by (cause)", "sum by (group, cause)"} <= {
+        m for m in re.findall(r"sum by \([^)]*\)", text)
+    }
+    kinds = [p["type"] for p in panels(dashboard)]
+    assert "heatmap" in kinds and "stat" in kinds and kinds.count("timeseries") >= 15
+    heatmap = next(p for p in panels(dashboard) if p["type"] == "heatmap")
+    assert heatmap["targets"][0]["format"] == "heatmap"
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    assert all(p.get("title") for p in panels(dashboard))
+    used = set().union(*(recorded_names() & {n for n, _ in selectors(e)} for e in exprs(dashboard)))
+    assert used, "the dashboard reads no recording rule"
+
+
+def test_alerts_follow_the_mixin_conventions() -> None:
+    rules = alerts()
+    names = [rule["alert"] for rule in rules]
+    assert len(names) == len(set(names))
+    for required in ("KvobsLoadFailure", "KvobsNearMissesRising", "KvobsHistoryWindowTooShort",
+                     "KvobsSidecarDown", "KvobsRecordsDropped"):
+        assert required in names
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    headings = set(re.findall(r"^## (\w+)$", runbook, re.M))
+    for rule in rules:
+        name = rule["alert"]
+        assert re.fullmatch(r"Kvobs(?:[A-Z][a-z]+)+", name), name
+        assert rule["labels"]["severity"] in ("critical", "warning", "info")
+        assert set(rule["annotations"]) >= {"summary", "description", "runbook_url"}
+        assert rule["annotations"]["runbook_url"] == f"docs/runbook.md#{name.lower()}"
+        assert name in headings, f"docs/runbook.md has no section for {name}"
+    severity = {rule["alert"]: rule["labels"]["severity"] for rule in rules}
+    assert severity["KvobsLoadFailure"] == "critical"
+    assert severity["KvobsNearMissesRising"] == severity["KvobsHistoryWindowTooShort"] == "warning"
+    assert headings == set(names), "runbook sections without an alert"
+
+
+def test_every_alert_has_a_promtool_test_that_fires_and_one_that_does_not() -> None:
+    fires: set[str] = set()
+    quiet: set[str] = set()
+    for path in (RULES / "tests").glob("*.yaml"):
+        doc = yaml.safe_load(path.read_text())
+        for group in doc["tests"]:
+            for case in group.get("alert_rule_test", []):
+                (fires if case.get("exp_alerts") else quiet).add(case["alertname"])
+    names = {rule["alert"] for rule in alerts()}
+    assert names - fires == set(), "alerts without a firing test"
+    assert names - quiet == set(), "alerts without a not-firing test"
+    assert (fires | quiet) <= names, "tests of alerts that do not exist"
