@@ -1,0 +1,30 @@
+"""Reliability tests drive vLLM 0.33.0's real managers; they reuse the integration helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "integration"))
+
+import figures  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "reliability" in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print what the reliability tests tried and measured (the figures in docs/reliability.md)."""
+    found = figures.lines()
+    if found:
+        terminalreporter.section("kvobs reliability figures")
+        for line in found:
+            terminalreporter.write_line(line)
