@@ -104,7 +104,10 @@ def final_state(twin: Twin) -> Any:
         return events, stats, chunks, m.has_pending_work()
 
 
-def check_sequence(config: str, ops: list[tuple[str, int, list[tuple[int, int]], bool]], directory: Path | None) -> None:
+Ops = list[tuple[str, int, list[tuple[int, int]], bool]]
+
+
+def check_sequence(config: str, ops: Ops, directory: Path | None) -> None:
     extra = CONFIGS[config]
     tiering = "secondary_tiers" in extra
     exporter = InMemorySpanExporter()
@@ -150,7 +153,7 @@ def check_sequence(config: str, ops: list[tuple[str, int, list[tuple[int, int]],
 def test_random_operation_lists_are_transparent(config: str) -> None:
     @PROPERTY
     @given(ops=ops_strategy)
-    def prop(ops: list[tuple[str, int, list[tuple[int, int]], bool]]) -> None:
+    def prop(ops: Ops) -> None:
         check_sequence(config, ops, None)
 
     before = COUNTS[f"transparency.{config}.failed_loads"]
@@ -158,10 +161,12 @@ def test_random_operation_lists_are_transparent(config: str) -> None:
     assert COUNTS[f"transparency.{config}.failed_loads"] > before  # the failure path was reached
 
 
-def test_random_operation_lists_are_transparent_with_journal_and_tracer(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_random_operation_lists_are_transparent_with_journal_and_tracer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     @settings(PROPERTY, max_examples=MAX_EXAMPLES // 3)
     @given(ops=ops_strategy)
-    def prop(ops: list[tuple[str, int, list[tuple[int, int]], bool]]) -> None:
+    def prop(ops: Ops) -> None:
         check_sequence("cpu-lru+sinks", ops, tmp_path_factory.mktemp("kvobs"))
 
     prop()
