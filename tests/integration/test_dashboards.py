@@ -1,0 +1,220 @@
+"""Dashboards and rules against a real Prometheus fed by a real workload.
+
+vLLM 0.33.0's real managers (CPU and tiering) run under kvobs with ``dir=`` a temporary directory;
+a real sidecar (``kvobs serve``) exports the result; Debian's Prometheus scrapes it with the
+``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``model`` label and ``instance``
+relabelling) and loads the shipped rule files. Then every query of every dashboard panel, with its
+variables substituted as Grafana would, must return data from Prometheus's HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from services import ROOT, Prometheus, Sidecar, wait_for
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm_env import cpu_extra, create_manager, key, tiering_extra
+
+import kvobs
+
+DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
+RULES = ROOT / "dashboards" / "rules"
+RULE_FILES = sorted(RULES.glob("*.yaml"))
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+CAUSES_PRODUCED = {"evicted_after_lookup", "coverage_mismatch", "reset_after_lookup", "store_failed_after_lookup"}
+# vLLM's own metrics come from vLLM's API server, which needs a model and a GPU: nothing here can
+# produce them. Queries reading them are exempt from the "returns data" check, and nothing else is.
+EXEMPT_REASON = "reads vLLM's own vllm:* metrics, exported only by a running vLLM API server (no GPU/model here)"
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("promtool")
+    assert binary, "promtool is missing: `make prometheus` installs Debian's prometheus (which ships it)"
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_promtool_checks_the_rules_and_config() -> None:
+    checked = promtool("check", "rules", *map(str, RULE_FILES))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.count("SUCCESS") == len(RULE_FILES) == 2
+    config = promtool("check", "config", "--syntax-only", str(PROMETHEUS_CONFIG))
+    assert config.returncode == 0, config.stdout + config.stderr
+
+
+def test_promtool_unit_tests_pass() -> None:
+    tests = sorted((RULES / "tests").glob("*.yaml"))
+    assert tests
+    result = promtool("test", "rules", *map(str, tests))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(tests)
+
+
+def scrape_config(sidecar_port: int) -> dict[str, Any]:
+    """The shipped ``kvobs`` job (labels, relabelling) pointed at the test's sidecar, every second."""
+    shipped = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    (job,) = [j for j in shipped["scrape_configs"] if j["job_name"] == "kvobs"]
+    (static,) = job["static_configs"]
+    static["targets"] = [f"127.0.0.1:{sidecar_port}"]
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(p) for p in RULE_FILES],
+        "scrape_configs": [job],
+    }
+
+
+class ShippedPrometheus(Prometheus):
+    """Debian's prometheus with the shipped scrape job and rule files."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+        super().__init__(workdir, [])
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+
+
+def panel_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(where, expr) for every panel target and annotation query."""
+    for panel in dashboard["panels"]:
+        for inner in [panel, *panel.get("panels", [])]:
+            for target in inner.get("targets", []):
+                yield f"panel {inner['title']!r} {target['refId']}", target["expr"]
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            yield f"annotation {annotation['name']!r}", annotation["expr"]
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Grafana's interpolation: $var, ${var} and [[var]] forms."""
+    out = re.sub(r"\$\{(\w+)\}|\$(\w+)|\[\[(\w+)\]\]", lambda m: values[m.group(1) or m.group(2) or m.group(3)], expr)
+    assert "$" not in out, out
+    return out
+
+
+def run_workload(cpu: Any, tier: Any) -> None:
+    """Evictions of every reason, near misses, and failed loads of four causes, on two engines."""
+    writer, victim, reset_victim = ReqContext("writer"), ReqContext("req-a"), ReqContext("req-r")
+    for context in (writer, victim, reset_victim):
+        cpu.on_new_request(context)
+    for i in range(10):  # capacity evictions in KV groups 0 and 1
+        keys = [key(100 + 2 * i), key(101 + 2 * i, group=1)]
+        cpu.prepare_store(keys, writer)
+        cpu.complete_store(keys, writer)
+        time.sleep(0.01)
+    victim.set_offload_key_position(key(118), 160)
+    assert cpu.lookup(key(118), victim) is LookupResult.HIT
+    for i in range(2):  # evicts key(118) after req-a's lookup: a near miss
+        keys = [key(500 + 2 * i), key(501 + 2 * i, group=1)]
+        cpu.prepare_store(keys, writer)
+        cpu.complete_store(keys, writer)
+    with pytest.raises(AssertionError, match="cause: evicted_after_lookup"):
+        cpu.prepare_load([key(118)], victim)
+    with pytest.raises(AssertionError, match="cause: coverage_mismatch"):
+        cpu.prepare_load([key(999, group=1)], victim)
+    reset_victim.set_offload_key_position(key(503, group=1), 48)
+    assert cpu.lookup(key(503, group=1), reset_victim) is LookupResult.HIT
+    cpu.reset_cache()
+    with pytest.raises(AssertionError, match="cause: reset_after_lookup"):
+        cpu.prepare_load([key(503, group=1)], reset_victim)
+
+    s1, s2, a = ReqContext("store-1"), ReqContext("store-2"), ReqContext("req-t")
+    for context in (s1, s2, a):
+        tier.on_new_request(context)
+    for k, context in ((key(1), s1), (key(2), s2)):  # key(1) cascades, then leaves the primary tier
+        tier.prepare_store([k], context)
+        tier.complete_store([k], context)
+        tier.on_schedule_end(END)
+    a.set_offload_key_position(key(1), 16)
+    assert tier.lookup(key(1), a) is LookupResult.HIT_PENDING  # a promotion from the secondary tier
+    del tier.inner.secondary_tiers[0].chunks[key(1)]  # its read fails: the promotion's store fails
+    tier.on_schedule_end(END)
+    tier.on_schedule_end(END)
+    with pytest.raises(AssertionError, match="cause: store_failed_after_lookup"):
+        tier.prepare_load([key(1)], a)
+
+
+def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path, managers: list[Any]) -> None:
+    directory = tmp_path / "kvobs"
+    directory.mkdir()
+    sidecar = Sidecar(directory).start()
+    config = scrape_config(sidecar.port)
+    model = config["scrape_configs"][0]["static_configs"][0]["labels"]["model"]
+    prometheus = ShippedPrometheus(tmp_path / "prom", config).start()
+    started = time.monotonic()
+    try:
+        cpu = kvobs.observe(create_manager(cpu_extra(4)), dir=str(directory), engine="dp0")
+        tier = kvobs.observe(create_manager(tiering_extra(1)), dir=str(directory), engine="dp1")
+        managers.extend((cpu, tier))
+        # Prometheus sees both engines' zeros before the workload, so rates and increases see it happen.
+        wait_for(lambda: len(prometheus.query('kvobs_load_failures_total{cause="unknown"}')) == 2,
+                 what="both engines scraped")
+        run_workload(cpu, tier)
+        wait_for(lambda: prometheus.value("sum(kvobs_load_failures_total)") == len(CAUSES_PRODUCED),
+                 what="the four failures scraped")
+        wait_for(lambda: prometheus.value('sum(kvobs_evicted_chunks_total{reason="store_failed"})') == 1,
+                 what="the failed store scraped")
+
+        # The labels the dashboards rely on came through the shipped scrape config.
+        (build,) = prometheus.query('kvobs_build_info{engine="dp0"}')
+        assert build["metric"]["model"] == model and build["metric"]["instance"] == "127.0.0.1"
+        assert build["metric"]["job"] == "kvobs"
+
+        # Recording rules evaluate (every 1 s here), alerting rules fire on the real series.
+        recorded = [r["record"] for g in yaml.safe_load((RULES / "kvobs-recording.yaml").read_text())["groups"]
+                    for r in g["rules"]]
+        for name in recorded:
+            wait_for(lambda name=name: prometheus.query(name), what=f"recording rule {name}")
+        wait_for(lambda: prometheus.value("sum(engine_cause:kvobs_load_failures:increase1h)") >= len(CAUSES_PRODUCED),
+                 what="the recorded increase of load failures")
+        firing = wait_for(
+            lambda: {a["metric"]["cause"] for a in prometheus.query('ALERTS{alertname="KvobsLoadFailure"}')}
+            == CAUSES_PRODUCED,
+            what="KvobsLoadFailure for each cause",
+        )
+        assert firing
+        assert prometheus.query('ALERTS{alertname="KvobsSidecarDown"}') == []
+
+        # Grafana's $__rate_interval is max(4 x scrape interval, $__interval + scrape interval); the
+        # window here is that at least, and long enough to hold the whole workload.
+        window = max(4, math.ceil(time.monotonic() - started) + 2)
+        variable_sets = [
+            {"model": ".*", "instance": ".*", "engine": ".*"},  # "All"
+            {"model": model, "instance": "127.0.0.1", "engine": "dp0"},
+            {"model": model, "instance": "127.0.0.1", "engine": "dp1"},
+        ]
+        checked, exempt, empty = 0, [], []
+        for path in DASHBOARDS:
+            dashboard = json.loads(path.read_text())
+            for variables in variable_sets:
+                values = {**variables, "datasource": "", "__rate_interval": f"{window}s"}
+                for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
+                    match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+                    assert match is not None
+                    found = prometheus.query(f"group by ({match[2]}) ({substitute(match[1], values)})")
+                    assert {r["metric"].get(match[2]) for r in found} >= {variables[var["name"]]} - {".*"}, var
+                    assert found, var["name"]
+                for where, expr in panel_queries(dashboard):
+                    query = substitute(expr, values)
+                    if "vllm:" in query:
+                        exempt.append(where)
+                        continue
+                    result = prometheus.query(query)
+                    checked += 1
+                    if not result:
+                        empty.append(f"{path.name} {where} {variables}: {query}")
+                    elif variables["engine"] == ".*" and all(math.isnan(float(r["value"][1])) for r in result):
+                        empty.append(f"{path.name} {where}: only NaN: {query}")
+        assert empty == []
+        assert checked >= 25 * len(variable_sets) and exempt, (checked, exempt)
+        assert all("vLLM" in where for where in exempt), f"{EXEMPT_REASON}; exempt by mistake: {exempt}"
+    finally:
+        prometheus.stop()
+        sidecar.stop()
