@@ -1,9 +1,17 @@
 """One OpenTelemetry span per failed load: ``kv_offload.prepare_load``, status ERROR.
 
 The span carries the standard ``exception`` event and a ``kv_offload.missing_chunks``
-event with the structured facts. It is ended and flushed (bounded by
-``FLUSH_TIMEOUT_MS``) before the exception leaves kvobs, because the engine is
-about to die. Provider: the one given to ``observe()``, else the global one; if
+event with the structured facts. It is ended and flushed before the exception
+leaves kvobs, because the engine is about to die. The bound (``FLUSH_TIMEOUT_MS``)
+is kvobs's own: the SDK's ``force_flush(timeout)`` exports in the calling thread
+and waits out the exporter's own timeout and retries (measured: ~8 s with the
+OTLP endpoint down, 10 s with one that never answers), and a ``SimpleSpanProcessor``
+exports inside ``span.end()``. So the span is emitted on a short-lived helper
+thread that the failing load waits for at most ``FLUSH_TIMEOUT_MS``; a span still
+exporting after that is left to finish in the background (and the next failure's
+span is skipped while it does, so threads stay bounded).
+
+Provider: the one given to ``observe()``, else the global one; if
 the global one is the API's no-op default and ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT``
 is set, kvobs builds its own SDK provider with the OTLP exporter the standard
 ``OTEL_*`` variables describe (http/protobuf by default, grpc on request).
@@ -15,6 +23,7 @@ else an explicit empty context (EngineCore inherits a stale startup
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,12 +90,17 @@ def event_attributes(diagnosis: Diagnosis) -> dict[str, Any]:
     return attrs
 
 
+class SpanExportTimeout(TimeoutError):
+    """The failure span was not exported within the bound (counted as a kvobs fault, never raised to vLLM)."""
+
+
 class TracingSink(Sink):
     """Emits the failure span; see the module docstring."""
 
     def __init__(self, tracer_provider: Any = None) -> None:
         self._given = tracer_provider
         self._from_env: Any = None
+        self._straggler: threading.Thread | None = None
 
     def _provider(self) -> Any:
         if self._given is not None:
@@ -100,6 +114,27 @@ class TracingSink(Sink):
         return provider
 
     def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+        """Emit and flush the span on a helper thread; wait at most FLUSH_TIMEOUT_MS."""
+        if self._straggler is not None and self._straggler.is_alive():
+            raise SpanExportTimeout("the previous failure span is still exporting; this one is skipped")
+        errors: list[BaseException] = []
+
+        def emit() -> None:
+            try:
+                self._emit(diagnosis, exc)
+            except BaseException as fault:  # handed to the failing load's thread below
+                errors.append(fault)
+
+        worker = threading.Thread(target=emit, name="kvobs-failure-span", daemon=True)
+        worker.start()
+        worker.join(FLUSH_TIMEOUT_MS / 1000)
+        if worker.is_alive():
+            self._straggler = worker
+            raise SpanExportTimeout(f"failure span not exported within {FLUSH_TIMEOUT_MS} ms; left to finish")
+        if errors:
+            raise errors[0]
+
+    def _emit(self, diagnosis: Diagnosis, exc: BaseException) -> None:
         from kvobs import __version__
 
         provider = self._provider()
@@ -119,8 +154,13 @@ class TracingSink(Sink):
             flush(FLUSH_TIMEOUT_MS)
 
     def close(self) -> None:
+        """Shut down a provider kvobs built itself, waiting at most FLUSH_TIMEOUT_MS (an engine's shutdown)."""
         if self._from_env is not None:
-            self._from_env.shutdown()
+            worker = threading.Thread(target=self._from_env.shutdown, name="kvobs-tracer-shutdown", daemon=True)
+            worker.start()
+            worker.join(FLUSH_TIMEOUT_MS / 1000)
+            if worker.is_alive():
+                raise SpanExportTimeout(f"tracer provider shutdown did not finish within {FLUSH_TIMEOUT_MS} ms")
 
 
 def parent_context(trace_headers: Mapping[str, str] | None) -> Context:
