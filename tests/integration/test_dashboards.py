@@ -2,8 +2,8 @@
 
 vLLM 0.33.0's real managers (CPU and tiering) run under kvobs with ``dir=`` a temporary directory;
 a real sidecar (``kvobs serve``) exports the result; Debian's Prometheus scrapes it with the
-``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``model`` label and ``instance``
-relabelling) and loads the shipped rule files. Then every query of every dashboard panel, with its
+``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``model`` and ``instance``
+labels) and loads the shipped rule files. Then every query of every dashboard panel, with its
 variables substituted as Grafana would, must return data from Prometheus's HTTP API.
 """
 
@@ -146,7 +146,8 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
     directory.mkdir()
     sidecar = Sidecar(directory).start()
     config = scrape_config(sidecar.port)
-    model = config["scrape_configs"][0]["static_configs"][0]["labels"]["model"]
+    labels = config["scrape_configs"][0]["static_configs"][0]["labels"]
+    model, instance = labels["model"], labels["instance"]
     prometheus = ShippedPrometheus(tmp_path / "prom", config).start()
     started = time.monotonic()
     try:
@@ -164,7 +165,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
 
         # The labels the dashboards rely on came through the shipped scrape config.
         (build,) = prometheus.query('kvobs_build_info{engine="dp0"}')
-        assert build["metric"]["model"] == model and build["metric"]["instance"] == "127.0.0.1"
+        assert build["metric"]["model"] == model and build["metric"]["instance"] == instance
         assert build["metric"]["job"] == "kvobs"
 
         # Recording rules evaluate (every 1 s here), alerting rules fire on the real series.
@@ -187,8 +188,8 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         window = max(4, math.ceil(time.monotonic() - started) + 2)
         variable_sets = [
             {"model": ".*", "instance": ".*", "engine": ".*"},  # "All"
-            {"model": model, "instance": "127.0.0.1", "engine": "dp0"},
-            {"model": model, "instance": "127.0.0.1", "engine": "dp1"},
+            {"model": model, "instance": instance, "engine": "dp0"},
+            {"model": model, "instance": instance, "engine": "dp1"},
         ]
         checked, exempt, empty = 0, [], []
         for path in DASHBOARDS:
