@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.kvobs-installed
 
-.PHONY: venv prometheus test lint typecheck demo clean
+.PHONY: venv prometheus tools test lint typecheck demo clean
 
 venv: $(STAMP)
 
@@ -30,13 +30,21 @@ prometheus:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
+# The docker/ tests validate docker/compose.yaml with Debian's docker-compose (1.29, no engine needed).
+tools: prometheus
+	@command -v docker-compose >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
+	@docker-compose version 2>&1 | head -1
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvobs tests
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) prometheus lint typecheck
+test: $(STAMP) tools lint typecheck
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
