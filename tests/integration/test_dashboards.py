@@ -197,7 +197,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
             for variables in variable_sets:
                 values = {**variables, "datasource": "", "__rate_interval": f"{window}s"}
                 for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
-                    match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+                    match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
                     assert match is not None
                     found = prometheus.query(f"group by ({match[2]}) ({substitute(match[1], values)})")
                     assert {r["metric"].get(match[2]) for r in found} >= {variables[var["name"]]} - {".*"}, var

@@ -123,7 +123,7 @@ def test_variables_datasource_model_instance_engine(path: Path) -> None:
     assert source["type"] == "datasource" and source["query"] == "prometheus"
     defined = {"datasource"}
     for var in variables[1:]:
-        query = var["query"]["query"]
+        query = var["query"]
         assert var["type"] == "query" and var["datasource"] == DS
         match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", query)
         assert match is not None and match.group(3) == var["name"], query
