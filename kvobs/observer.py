@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvobs.diagnosis import CAUSES, Diagnosis, KeyFacts, LoadFailure, diagnose
@@ -54,7 +54,8 @@ class RemovalBatch:
     req_id: str | None
     keys: Sequence[bytes]
     residency_s: Sequence[float] | None = None
-    near_misses: int = 0
+    broken_promises: int = 0
+    """Watched lookup hits this batch removed (near misses if their loads then ask for them)."""
 
 
 class Sink:
@@ -109,16 +110,29 @@ class Observer:
         self.evicted[reason] += len(keys)
         self.batches[reason] += 1
         # A reset whose keys could not be listed still drops every watched chunk.
-        near = self.verdicts.removed_all() if reason == "reset" and not keys else self.verdicts.removed(keys)
-        if near:
-            self.near_misses[reason] += len(near)
-            self._each_sink("sink", lambda s: s.on_near_miss(near, reason))
+        verdicts = self.verdicts
+        broken = verdicts.removed_all(reason) if reason == "reset" and not keys else verdicts.removed(keys, reason)
         if self.sinks:
-            batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, len(near))
+            batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, broken)
             self._each_sink("sink", lambda s: s.on_removal(batch))
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
             self.history_stats = self.history.stats()
+
+    def loading(self, req_id: str, keys: Collection[bytes]) -> None:
+        """A load by ``req_id`` asks for ``keys``: count the near misses among them."""
+        near = self.verdicts.loaded(req_id, keys)
+        if not near:
+            return
+        by_reason: dict[str, list[NearMiss]] = {}
+        for miss in near:
+            by_reason.setdefault(miss.reason, []).append(miss)
+        for reason, misses in by_reason.items():
+            self.near_misses[reason] += len(misses)
+            self._publish_near_misses(misses, reason)
+
+    def _publish_near_misses(self, misses: Sequence[NearMiss], reason: str) -> None:
+        self._each_sink("sink", lambda s: s.on_near_miss(misses, reason))
 
     def reported(self, req_id: str, key: bytes, pending: bool) -> None:
         """A lookup by ``req_id`` answered HIT (or HIT_PENDING) for ``key``."""

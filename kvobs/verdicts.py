@@ -5,6 +5,12 @@ pin with ``prepare_load`` soon after. kvobs keeps that promise per request (to
 name a failed load's cause) and watches it until the request's load pins it (to
 count near misses: promised chunks removed before their load).
 
+A removal only *breaks* a watched promise; it becomes a near miss when the
+request's load then asks for that chunk (whether the load succeeds because the
+chunk was stored again, or fails). Promises the load does not ask for — the
+connector shrank the hit, or the request was scheduled without a load — were
+never going to be pinned, and their removal is not counted.
+
 Bounded: at most ``max_entries`` verdicts across all requests; a verdict that
 does not fit is dropped and counted, never an error.
 """
@@ -28,14 +34,16 @@ class Verdict(NamedTuple):
 class _RequestVerdicts:
     verdicts: dict[bytes, Verdict] = field(default_factory=dict)
     watching: bool = True
+    broken: dict[bytes, str] = field(default_factory=dict)  # key -> removal reason
 
 
 class NearMiss(NamedTuple):
-    """A promised chunk removed before its request's load pinned it."""
+    """A promised chunk removed before its request's load asked for it."""
 
     req_id: str
     key: bytes
     verdict: Verdict
+    reason: str
 
 
 class LookupVerdicts:
@@ -67,6 +75,8 @@ class LookupVerdicts:
             self._entries += 1
         state.verdicts[key] = verdict
         state.watching = True
+        if state.broken:
+            state.broken.pop(key, None)  # a fresh promise replaces the broken one
         watchers = self._watched.get(key)
         if watchers is None:
             self._watched[key] = {req_id}
@@ -78,6 +88,7 @@ class LookupVerdicts:
         state = self._requests.get(req_id)
         if state is None or state.verdicts.pop(key, None) is None:
             return
+        state.broken.pop(key, None)
         self._entries -= 1
         self._unwatch(req_id, key)
 
@@ -86,13 +97,26 @@ class LookupVerdicts:
         return None if state is None else state.verdicts.get(key)
 
     def pinned(self, req_id: str) -> None:
-        """The request's load was prepared: its promises are kept, stop watching."""
+        """The request was scheduled (its load, if any, is prepared): stop watching."""
         state = self._requests.get(req_id)
         if state is None or not state.watching:
             return
         state.watching = False
+        state.broken.clear()
         for key in state.verdicts:
             self._unwatch(req_id, key)
+
+    def loaded(self, req_id: str, keys: Iterable[bytes]) -> list[NearMiss]:
+        """The request's load asked for ``keys``: the broken promises among them, then stop watching."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return []
+        misses: list[NearMiss] = []
+        if state.broken:
+            broken = state.broken
+            misses = [NearMiss(req_id, key, state.verdicts[key], broken[key]) for key in keys if key in broken]
+        self.pinned(req_id)
+        return misses
 
     def finished(self, req_id: str) -> None:
         """The request is gone: forget its verdicts."""
@@ -101,22 +125,21 @@ class LookupVerdicts:
         if state is not None:
             self._entries -= len(state.verdicts)
 
-    def removed(self, keys: Iterable[bytes]) -> list[NearMiss]:
-        """Keys left the cache: return (and stop watching) the promises they broke."""
+    def removed(self, keys: Iterable[bytes], reason: str) -> int:
+        """Keys left the cache: mark (and stop watching) the promises they broke; how many."""
         watched = self._watched
         if not watched:
-            return []
-        hits = [key for key in keys if key in watched]
-        misses: list[NearMiss] = []
-        for key in hits:
+            return 0
+        broken = 0
+        for key in [key for key in keys if key in watched]:
             for req_id in watched.pop(key):
-                verdict = self._requests[req_id].verdicts[key]
-                misses.append(NearMiss(req_id, key, verdict))
-        return misses
+                self._requests[req_id].broken[key] = reason
+                broken += 1
+        return broken
 
-    def removed_all(self) -> list[NearMiss]:
+    def removed_all(self, reason: str) -> int:
         """Every watched chunk left the cache (a reset that could not list its keys)."""
-        return self.removed(list(self._watched))
+        return self.removed(list(self._watched), reason)
 
     def clear(self) -> None:
         self._requests.clear()

@@ -140,13 +140,17 @@ class ObservedOffloadingManager(OffloadingManager):
         try:
             spec = self._kvobs_inner.prepare_load(keys, req_context)
         except AssertionError as exc:
+            self._kvobs_loading(keys, req_context)
             self._kvobs_explain(exc, keys, req_context)
             raise
+        self._kvobs_loading(keys, req_context)
+        return spec
+
+    def _kvobs_loading(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         try:
-            self._kvobs_observer.verdicts.pinned(req_context.req_id)
+            self._kvobs_observer.loading(req_context.req_id, keys)
         except Exception as exc:
             self._kvobs_observer.internal_error("record.load", exc)
-        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
         return self._kvobs_inner.touch(keys, req_context)

@@ -7,21 +7,39 @@ from kvobs.verdicts import LookupVerdicts, Verdict
 V = Verdict(serial=3, time=1.0, pending=False)
 
 
-def test_removed_promise_is_a_near_miss_once() -> None:
+def test_removed_promise_is_a_near_miss_once_its_load_asks_for_it() -> None:
     verdicts = LookupVerdicts()
     verdicts.reported("a", b"k1", V)
     verdicts.reported("a", b"k2", V)
-    misses = verdicts.removed([b"k1", b"zz"])
-    assert [(m.req_id, m.key) for m in misses] == [("a", b"k1")]
-    assert verdicts.removed([b"k1"]) == []  # counted once
+    assert verdicts.removed([b"k1", b"zz"], "capacity") == 1
+    assert verdicts.removed([b"k1"], "capacity") == 0  # broken once
     assert verdicts.get("a", b"k1") == V  # the verdict itself is kept for diagnosis
+    misses = verdicts.loaded("a", [b"k1", b"k2"])
+    assert [(m.req_id, m.key, m.reason) for m in misses] == [("a", b"k1", "capacity")]
+    assert verdicts.loaded("a", [b"k1"]) == []  # counted once
+
+
+def test_broken_promise_the_load_does_not_ask_for_is_not_a_near_miss() -> None:
+    verdicts = LookupVerdicts()
+    verdicts.reported("a", b"fa", V)
+    verdicts.reported("a", b"sw", V)
+    assert verdicts.removed([b"fa"], "capacity") == 1
+    assert verdicts.loaded("a", [b"sw"]) == []  # the connector shrank the hit: fa was never loaded
+
+
+def test_scheduled_without_a_load_forgets_broken_promises() -> None:
+    verdicts = LookupVerdicts()
+    verdicts.reported("a", b"k", V)
+    verdicts.removed([b"k"], "capacity")
+    verdicts.pinned("a")
+    assert verdicts.loaded("a", [b"k"]) == []
 
 
 def test_pinned_request_is_no_longer_watched() -> None:
     verdicts = LookupVerdicts()
     verdicts.reported("a", b"k", V)
     verdicts.pinned("a")
-    assert verdicts.removed([b"k"]) == []
+    assert verdicts.removed([b"k"], "capacity") == 0
     assert verdicts.get("a", b"k") == V
 
 
@@ -30,7 +48,8 @@ def test_two_requests_promised_the_same_chunk() -> None:
     verdicts.reported("a", b"k", V)
     verdicts.reported("b", b"k", V)
     verdicts.pinned("a")
-    assert [m.req_id for m in verdicts.removed([b"k"])] == ["b"]
+    assert verdicts.removed([b"k"], "capacity") == 1
+    assert [m.req_id for m in verdicts.loaded("b", [b"k"])] == ["b"]
 
 
 def test_a_later_miss_voids_the_promise() -> None:
@@ -38,7 +57,7 @@ def test_a_later_miss_voids_the_promise() -> None:
     verdicts.reported("a", b"k", V)
     verdicts.not_reported("a", b"k")
     assert verdicts.get("a", b"k") is None
-    assert verdicts.removed([b"k"]) == [] and len(verdicts) == 0
+    assert verdicts.removed([b"k"], "capacity") == 0 and len(verdicts) == 0
 
 
 def test_finished_request_is_forgotten() -> None:
@@ -61,5 +80,14 @@ def test_removed_all_breaks_every_watched_promise() -> None:
     verdicts = LookupVerdicts()
     verdicts.reported("a", b"k1", V)
     verdicts.reported("b", b"k2", V)
-    assert sorted(m.req_id for m in verdicts.removed_all()) == ["a", "b"]
+    assert verdicts.removed_all("reset") == 2
     assert verdicts.watched_keys == 0
+    assert [m.reason for m in verdicts.loaded("b", [b"k2"])] == ["reset"]
+
+
+def test_a_fresh_hit_after_the_removal_replaces_the_broken_promise() -> None:
+    verdicts = LookupVerdicts()
+    verdicts.reported("a", b"k", V)
+    verdicts.removed([b"k"], "capacity")
+    verdicts.reported("a", b"k", V)  # the request looked again (e.g. deferred) and got a hit
+    assert verdicts.loaded("a", [b"k"]) == []
