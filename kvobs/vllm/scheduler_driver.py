@@ -16,6 +16,10 @@ What is not: the few ``ModelConfig`` members that ``build_offloading_config`` re
 ``_ModelFacts``), GPU block allocation (a counter, ids never reused; block 0 is vLLM's null
 block), and the worker side, whose only effect on the scheduler is the job-completion report
 sent by ``EngineStepDriver.report_worker_jobs``.
+
+Used by ``kvobs demo`` and by the integration tests. A failed ``prepare_load`` kills vLLM's
+engine; the driver can instead hand it to ``on_load_failure`` and drop that request, so that a
+demo can show many failures in one run.
 """
 
 from __future__ import annotations
@@ -105,15 +109,15 @@ class _WithModelFacts:
         return getattr(self._vllm_config, name)
 
 
-def make_kv_cache_config(*, hybrid: bool, num_gpu_blocks: int = 4096) -> KVCacheConfig:
-    """One full-attention group, plus a sliding-window group when ``hybrid``.
+def make_kv_cache_config(*, hybrid: bool, num_full_groups: int = 1, num_gpu_blocks: int = 4096) -> KVCacheConfig:
+    """``num_full_groups`` full-attention groups, plus one sliding-window group when ``hybrid``.
 
-    Same block size in both groups, as vLLM's hybrid allocator produces. No
+    Same block size in every group, as vLLM's hybrid allocator produces. No
     ``kv_cache_tensors``: the per-block byte size then comes from the group page sizes.
     """
     groups = [
         KVCacheGroupSpec(
-            ["model.layers.0.self_attn"],
+            [f"model.layers.{i}.self_attn"],
             FullAttentionSpec(
                 block_size=BLOCK_SIZE,
                 num_kv_heads=_NUM_KV_HEADS,
@@ -121,11 +125,12 @@ def make_kv_cache_config(*, hybrid: bool, num_gpu_blocks: int = 4096) -> KVCache
                 dtype=_DTYPE,
             ),
         )
+        for i in range(num_full_groups)
     ]
     if hybrid:
         groups.append(
             KVCacheGroupSpec(
-                ["model.layers.1.self_attn"],
+                [f"model.layers.{num_full_groups}.self_attn"],
                 SlidingWindowSpec(
                     block_size=BLOCK_SIZE,
                     num_kv_heads=_NUM_KV_HEADS,
@@ -183,6 +188,7 @@ def build_scheduler(
     extra_config: Mapping[str, Any],
     *,
     hybrid: bool,
+    num_full_groups: int = 1,
     num_cpu_chunks: int | None = None,
 ) -> tuple[OffloadingConnectorScheduler, OffloadingSpec, KVCacheConfig]:
     """Build the spec and the connector scheduler the way ``OffloadingConnector`` does.
@@ -192,7 +198,7 @@ def build_scheduler(
     CPU (primary) tier holds exactly that many chunks: a small value makes eviction easy.
     The caller owns shutdown: ``scheduler.shutdown()`` frees the manager (and its /dev/shm).
     """
-    kv_cache_config = make_kv_cache_config(hybrid=hybrid)
+    kv_cache_config = make_kv_cache_config(hybrid=hybrid, num_full_groups=num_full_groups)
     extra = dict(extra_config)
     if num_cpu_chunks is not None:
         probe = make_offloading_config(make_vllm_config(extra), kv_cache_config)
@@ -257,6 +263,15 @@ class EngineStepDriver:
     kv_cache_config: KVCacheConfig
     num_external_tokens: dict[str, int | None] = field(default_factory=dict)
     """Per request: the last ``get_num_new_matched_tokens`` hit (None = deferred)."""
+    allocator_retained_tokens: int = 0
+    """Sliding-window tokens the (simulated) allocator keeps below the window beyond what the
+    ``KVCacheConfig`` given to the connector declares (its ``extra_retained_tokens``). Non-zero
+    models an allocator/connector range disagreement, like vLLM #56701 (MTP retained history,
+    fixed in 0.31): the load then covers a chunk the lookup never checked."""
+    on_load_failure: Callable[[AssertionError, Request], None] | None = None
+    """Called with a failed load's assertion instead of raising it (vLLM's engine would die);
+    the request is then dropped as if aborted, and the step goes on."""
+    failed_req_ids: list[str] = field(default_factory=list)
     _reqs: dict[str, _ReqState] = field(default_factory=dict)
     _running: list[str] = field(default_factory=list)
     _loading: dict[str, int] = field(default_factory=dict)  # req_id -> load job id
@@ -265,6 +280,11 @@ class EngineStepDriver:
     _finished: set[str] = field(default_factory=set)  # to report in the next step
     _pending_jobs: dict[int, str] = field(default_factory=dict)  # job id -> req id
     _next_block_id: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests decoding now (their prefill ran)."""
+        return [self._reqs[req_id].request for req_id in self._running]
 
     @property
     def pending_job_ids(self) -> list[int]:
@@ -323,7 +343,14 @@ class EngineStepDriver:
                 continue
             if load_async:
                 self._allocate(state, hit)
-                self.scheduler.update_state_after_alloc(request, self._blocks(state), hit)
+                try:
+                    self.scheduler.update_state_after_alloc(request, self._blocks(state), hit)
+                except AssertionError as exc:
+                    if self.on_load_failure is None:
+                        raise
+                    self.on_load_failure(exc, request)
+                    self._drop(request)
+                    continue
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = hit
                 continue
@@ -364,6 +391,13 @@ class EngineStepDriver:
         num_scheduled[request.request_id] = request.num_tokens - num_computed
         new_reqs.append(NewRequestData.from_request(request, tuple(list(b) for b in state.block_ids)))
 
+    def _drop(self, request: Request) -> None:
+        """Abort a request whose load failed: the connector forgets it at the next step."""
+        self.failed_req_ids.append(request.request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.scheduler.request_finished(request)
+        self._finished.add(request.request_id)
+
     def _execute(self, num_scheduled: Mapping[str, int]) -> None:
         """The model "ran": advance computed tokens and sample one token per request."""
         for req_id, n in num_scheduled.items():
@@ -384,8 +418,9 @@ class EngineStepDriver:
             num_blocks = -(-num_tokens // BLOCK_SIZE)
             skipped = 0
             if isinstance(group.kv_cache_spec, SlidingWindowSpec) and not table:
-                window = group.kv_cache_spec.sliding_window
-                skipped = max(0, num_tokens - window + 1) // BLOCK_SIZE
+                spec = group.kv_cache_spec
+                retained = spec.extra_retained_tokens + self.allocator_retained_tokens
+                skipped = max(0, num_tokens - spec.sliding_window + 1 - retained) // BLOCK_SIZE
             added = [0 if i < skipped else next(self._next_block_id) for i in range(len(table), num_blocks)]
             table.extend(added)
             new_ids.append(added)

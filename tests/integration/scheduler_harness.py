@@ -1,439 +1,25 @@
-"""Drive vLLM 0.33's real ``OffloadingConnectorScheduler`` on CPU, one engine step at a time.
-
-Why: kvobs must be tested against the way vLLM actually calls an ``OffloadingManager``
-(lookup pass, one ``prepare_load`` per request, stores and ``on_schedule_end`` in
-``build_connector_meta``, completions in ``update_connector_output``). This module builds the
-real config objects, the real spec (``OffloadingSpecFactory``) and the real connector scheduler,
-and plays the part of ``vllm.v1.core.sched.scheduler.Scheduler`` for the connector hooks.
-
-What is real: ``VllmConfig`` (model-less), ``KVCacheConfig`` / ``FullAttentionSpec`` /
-``SlidingWindowSpec``, vLLM's ``build_offloading_config``, the spec and its manager (including
-the tiering manager, its ``/dev/shm`` region and the in-memory "example" secondary tier),
-``Request`` with vLLM's own block hasher, ``KVCacheBlocks``, ``SchedulerOutput``,
-``KVConnectorOutput``.
-
-What is not: the few ``ModelConfig`` members that ``build_offloading_config`` reads (see
-``_ModelFacts``), GPU block allocation (a counter, ids never reused; block 0 is vLLM's null
-block), and the worker side, whose only effect on the scheduler is the job-completion report
-sent by ``EngineStepDriver.report_worker_jobs``.
-"""
+"""vLLM #50014 reproduced through the real ``OffloadingConnectorScheduler`` (see kvobs.vllm.scheduler_driver)."""
 
 from __future__ import annotations
 
-import functools
-import itertools
-import mmap
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
-    OffloadingWorkerMetadata,
+from vllm.v1.kv_offload.base import OffloadKey
+
+from kvobs.vllm.incidents import promotion_evicts_hit
+from kvobs.vllm.scheduler_driver import (
+    FA_GROUP,
+    SW_GROUP,
+    EngineStepDriver,
+    build_scheduler,
+    make_request,
+    offload_key,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-    build_offloading_config,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-    OffloadingConnectorScheduler,
-)
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import (
-    BlockHash,
-    KVCacheBlock,
-    get_request_block_hasher,
-    init_none_hash,
-)
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.kv_offload.base import OffloadingSpec, OffloadKey, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request, RequestStatus
 
-BLOCK_SIZE = 16
-"""Tokens per GPU block, per block hash and (blocks_per_chunk=1) per offloaded chunk."""
-SLIDING_WINDOW = 32
-"""Tokens; a 2-chunk window, so a sliding-window hit needs 2 consecutive chunk hits."""
-FA_GROUP = 0
-"""KV cache group of the full-attention layer (group order as in kv_cache_groups)."""
-SW_GROUP = 1
-"""KV cache group of the sliding-window layer (hybrid configs only)."""
-
-_NUM_KV_HEADS = 2
-_HEAD_SIZE = 8
-_DTYPE = torch.float16
-
-
-@dataclass(frozen=True)
-class _ModelFacts:
-    """Stand-in for ``ModelConfig``, passed only to ``build_offloading_config``.
-
-    A real ``ModelConfig`` needs an HF ``config.json`` and inspects the model class by importing
-    it, which pulls GPU-only dependencies this CPU venv does not have (and the hub is
-    unreachable). ``build_offloading_config`` reads exactly these members; the scheduler itself
-    never reads ``model_config``.
-    """
-
-    model: str = "kvobs/cpu-harness"
-    dtype: torch.dtype = _DTYPE
-    max_model_len: int = 4096
-    use_mla: bool = False
-
-    def get_total_num_kv_heads(self) -> int:
-        return _NUM_KV_HEADS
-
-
-class _WithModelFacts:
-    """Read-through view of a ``VllmConfig`` whose ``model_config`` is ``_ModelFacts``."""
-
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        self._vllm_config = vllm_config
-        self.model_config = _ModelFacts()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._vllm_config, name)
-
-
-def make_kv_cache_config(*, hybrid: bool, num_gpu_blocks: int = 4096) -> KVCacheConfig:
-    """One full-attention group, plus a sliding-window group when ``hybrid``.
-
-    Same block size in both groups, as vLLM's hybrid allocator produces. No
-    ``kv_cache_tensors``: the per-block byte size then comes from the group page sizes.
-    """
-    groups = [
-        KVCacheGroupSpec(
-            ["model.layers.0.self_attn"],
-            FullAttentionSpec(
-                block_size=BLOCK_SIZE,
-                num_kv_heads=_NUM_KV_HEADS,
-                head_size=_HEAD_SIZE,
-                dtype=_DTYPE,
-            ),
-        )
-    ]
-    if hybrid:
-        groups.append(
-            KVCacheGroupSpec(
-                ["model.layers.1.self_attn"],
-                SlidingWindowSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=_NUM_KV_HEADS,
-                    head_size=_HEAD_SIZE,
-                    dtype=_DTYPE,
-                    sliding_window=SLIDING_WINDOW,
-                ),
-            )
-        )
-    return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def make_vllm_config(extra_config: Mapping[str, Any]) -> VllmConfig:
-    """A model-less CPU ``VllmConfig`` with the OffloadingConnector configured.
-
-    Prefix caching on and ``prefix_cache_retention_interval`` left at its default (0), as in
-    ``vllm serve``; the latter decides which sliding-window chunks get stored.
-    """
-    return VllmConfig(
-        device_config=DeviceConfig("cpu"),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra_config),
-        ),
-    )
-
-
-def make_offloading_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> OffloadingConfig:
-    """vLLM's own ``build_offloading_config`` (as ``OffloadingConnector.__init__`` calls it)."""
-    return build_offloading_config(
-        _WithModelFacts(vllm_config),  # type: ignore[arg-type]
-        kv_cache_config,
-    )
-
-
-def cpu_bytes_for_chunks(offloading_config: OffloadingConfig, num_chunks: int) -> int:
-    """``cpu_bytes_to_use`` giving exactly ``num_chunks`` CPU chunks (CPU/Tiering sizing rule).
-
-    A spec class without ``BLOCK_SIZE_ALIGNMENT`` (e.g. a wrapper by composition) is assumed
-    to size an inner CPU/Tiering spec, which pads each chunk to a memory page.
-    """
-    spec_cls = OffloadingSpecFactory.get_spec_cls(offloading_config.extra_config)
-    alignment = int(getattr(spec_cls, "BLOCK_SIZE_ALIGNMENT", mmap.PAGESIZE))
-    chunk_bytes = (
-        offloading_config.worker_kv_bytes_per_block
-        * offloading_config.parallel.world_size
-        * offloading_config.cache.blocks_per_chunk
-    )
-    return -(-chunk_bytes // alignment) * alignment * num_chunks
-
-
-def build_scheduler(
-    extra_config: Mapping[str, Any],
-    *,
-    hybrid: bool,
-    num_cpu_chunks: int | None = None,
-) -> tuple[OffloadingConnectorScheduler, OffloadingSpec, KVCacheConfig]:
-    """Build the spec and the connector scheduler the way ``OffloadingConnector`` does.
-
-    ``extra_config`` is ``kv_connector_extra_config`` (``spec_name``, ``spec_module_path``,
-    ``secondary_tiers``, ...). ``num_cpu_chunks`` overrides ``cpu_bytes_to_use`` so that the
-    CPU (primary) tier holds exactly that many chunks: a small value makes eviction easy.
-    The caller owns shutdown: ``scheduler.shutdown()`` frees the manager (and its /dev/shm).
-    """
-    kv_cache_config = make_kv_cache_config(hybrid=hybrid)
-    extra = dict(extra_config)
-    if num_cpu_chunks is not None:
-        probe = make_offloading_config(make_vllm_config(extra), kv_cache_config)
-        extra["cpu_bytes_to_use"] = cpu_bytes_for_chunks(probe, num_cpu_chunks)
-    vllm_config = make_vllm_config(extra)
-    spec = OffloadingSpecFactory.create_spec(make_offloading_config(vllm_config, kv_cache_config))
-    actual = getattr(spec, "num_chunks", num_cpu_chunks)
-    if num_cpu_chunks is not None and actual != num_cpu_chunks:
-        raise ValueError(f"spec sized {actual} CPU chunks, wanted {num_cpu_chunks}")
-    scheduler = OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
-    return scheduler, spec, kv_cache_config
-
-
-@functools.cache
-def _block_hasher() -> Callable[[Request], list[BlockHash]]:
-    """vLLM's request block hasher with the default algorithm, as EngineCore sets it up."""
-    hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
-
-
-def make_request(
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    *,
-    skip_reading_prefix_cache: bool = False,
-    max_tokens: int = 1024,
-) -> Request:
-    """A real ``Request`` whose block hashes come from vLLM's hasher (sha256, the default)."""
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling_params=SamplingParams(
-            max_tokens=max_tokens,
-            skip_reading_prefix_cache=skip_reading_prefix_cache,
-        ),
-        pooling_params=None,
-        block_hasher=_block_hasher(),
-    )
-
-
-@dataclass
-class _ReqState:
-    request: Request
-    block_ids: list[list[int]]  # per KV cache group; 0 is the null block
-
-
-@dataclass
-class EngineStepDriver:
-    """Plays vLLM's ``Scheduler`` for the connector scheduler's hooks.
-
-    Per ``step()``: every running request decodes one token, requests whose load was reported
-    done prefill the rest of their prompt, and each waiting request (admitted now, or deferred
-    by the connector earlier) is looked up (``get_num_new_matched_tokens``), given GPU blocks,
-    passed to ``update_state_after_alloc`` and either prefilled whole or parked until its async
-    load is reported done; then ``build_connector_meta`` runs with that step's
-    ``SchedulerOutput`` (including requests finished since the last step), and the step's
-    tokens are "computed".
-    """
-
-    scheduler: OffloadingConnectorScheduler
-    kv_cache_config: KVCacheConfig
-    num_external_tokens: dict[str, int | None] = field(default_factory=dict)
-    """Per request: the last ``get_num_new_matched_tokens`` hit (None = deferred)."""
-    _reqs: dict[str, _ReqState] = field(default_factory=dict)
-    _running: list[str] = field(default_factory=list)
-    _loading: dict[str, int] = field(default_factory=dict)  # req_id -> load job id
-    _loaded: list[str] = field(default_factory=list)  # load done, waiting to prefill
-    _deferred: list[Request] = field(default_factory=list)  # lookup said "ask again"
-    _finished: set[str] = field(default_factory=set)  # to report in the next step
-    _pending_jobs: dict[int, str] = field(default_factory=dict)  # job id -> req id
-    _next_block_id: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-
-    @property
-    def pending_job_ids(self) -> list[int]:
-        """Transfer jobs handed to the (simulated) workers and not yet reported."""
-        return list(self._pending_jobs)
-
-    def add_request(self, request: Request) -> None:
-        """``Scheduler.add_request``: the connector sees the request before any lookup."""
-        self.scheduler.on_new_request(request)
-        num_groups = len(self.kv_cache_config.kv_cache_groups)
-        self._reqs[request.request_id] = _ReqState(request, [[] for _ in range(num_groups)])
-
-    def step(self, admit: Iterable[Request] = ()) -> OffloadingConnectorMetadata:
-        """One engine step. ``admit``: waiting requests to schedule (added first if new)."""
-        admit = list(admit)
-        for request in admit:  # Scheduler.add_request runs before, not inside, schedule()
-            if request.request_id not in self._reqs:
-                self.add_request(request)
-        try:
-            return self._step(admit)
-        except BaseException:
-            # vLLM's engine dies here; the harness goes on, so hand the manager lock back
-            # (the step region opened by the first lookup would otherwise stay held).
-            self.scheduler._release_step()
-            raise
-
-    def _step(self, admit: list[Request]) -> OffloadingConnectorMetadata:
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData.make_empty()
-
-        for req_id in self._running:  # decode
-            state = self._reqs[req_id]
-            new_ids = self._allocate(state, state.request.num_computed_tokens + 1)
-            cached.req_ids.append(req_id)
-            cached.new_block_ids.append(new_ids if any(new_ids) else None)
-            cached.num_computed_tokens.append(state.request.num_computed_tokens)
-            cached.num_output_tokens.append(state.request.num_output_tokens)
-            num_scheduled[req_id] = 1
-
-        for req_id in self._loaded:  # async load finished: prefill the rest
-            request = self._reqs[req_id].request
-            request.status = RequestStatus.WAITING
-            if request.num_computed_tokens == request.num_tokens:  # recompute the last token
-                request.num_computed_tokens -= 1
-            self._admit(self._reqs[req_id], request.num_computed_tokens, num_scheduled, new_reqs)
-        self._loaded.clear()
-
-        waiting, self._deferred = [*self._deferred, *admit], []
-        for request in waiting:
-            state = self._reqs[request.request_id]
-            hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
-            self.num_external_tokens[request.request_id] = hit
-            if hit is None:  # the connector asked to be asked again in a later step
-                self._deferred.append(request)
-                continue
-            if load_async:
-                self._allocate(state, hit)
-                self.scheduler.update_state_after_alloc(request, self._blocks(state), hit)
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                request.num_computed_tokens = hit
-                continue
-            self._admit(state, 0, num_scheduled, new_reqs)
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            finished_req_ids=set(self._finished),
-            free_encoder_mm_hashes=[],
-        )
-        self._finished.clear()
-        meta = self.scheduler.build_connector_meta(output)
-        assert isinstance(meta, OffloadingConnectorMetadata)
-        for job_id, job in (meta.load_jobs | meta.store_jobs).items():
-            self._pending_jobs[job_id] = job.req_id
-        for job_id, job in meta.load_jobs.items():
-            self._loading[job.req_id] = job_id
-        self._execute(num_scheduled)
-        return meta
-
-    def _admit(
-        self,
-        state: _ReqState,
-        num_computed: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-    ) -> None:
-        """Schedule a waiting request's whole remaining prompt as one prefill chunk."""
-        request = state.request
-        self._allocate(state, request.num_tokens)
-        self.scheduler.update_state_after_alloc(request, self._blocks(state), 0)
-        request.status = RequestStatus.RUNNING
-        num_scheduled[request.request_id] = request.num_tokens - num_computed
-        new_reqs.append(NewRequestData.from_request(request, tuple(list(b) for b in state.block_ids)))
-
-    def _execute(self, num_scheduled: Mapping[str, int]) -> None:
-        """The model "ran": advance computed tokens and sample one token per request."""
-        for req_id, n in num_scheduled.items():
-            request = self._reqs[req_id].request
-            request.num_computed_tokens += n
-            request.append_output_token_ids(0)
-            if req_id not in self._running:
-                self._running.append(req_id)
-
-    def _allocate(self, state: _ReqState, num_tokens: int) -> tuple[list[int], ...]:
-        """Extend each group's block table to cover ``num_tokens``; return the new ids.
-
-        Like vLLM's sliding-window manager, blocks wholly outside the window of an
-        externally computed prefix are the null block (id 0).
-        """
-        new_ids: list[list[int]] = []
-        for group, table in zip(self.kv_cache_config.kv_cache_groups, state.block_ids, strict=True):
-            num_blocks = -(-num_tokens // BLOCK_SIZE)
-            skipped = 0
-            if isinstance(group.kv_cache_spec, SlidingWindowSpec) and not table:
-                window = group.kv_cache_spec.sliding_window
-                skipped = max(0, num_tokens - window + 1) // BLOCK_SIZE
-            added = [0 if i < skipped else next(self._next_block_id) for i in range(len(table), num_blocks)]
-            table.extend(added)
-            new_ids.append(added)
-        return tuple(new_ids)
-
-    def _blocks(self, state: _ReqState) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([KVCacheBlock(bid, is_null=bid == 0) for bid in table] for table in state.block_ids))
-
-    def finish(self, request: Request) -> None:
-        """A running request stopped after its last step (``Scheduler._free_request``)."""
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        self._running.remove(request.request_id)
-        self.scheduler.request_finished(request)
-        self._finished.add(request.request_id)
-
-    def report_worker_jobs(self, job_ids: Iterable[int]) -> None:
-        """SIMULATED worker side: every worker reports these transfer jobs as done.
-
-        This is the only simulated vLLM behaviour. The GPU worker cannot run on CPU; all the
-        scheduler learns from it is ``OffloadingWorkerMetadata.completed_jobs`` (one count per
-        worker) and, for a finished load, the request id in ``finished_recving``. No KV bytes
-        move, which the scheduler side cannot observe.
-        """
-        completed: dict[int, int] = {}
-        finished_recving: set[str] = set()
-        num_workers = self.scheduler.config.num_workers
-        for job_id in job_ids:
-            req_id = self._pending_jobs.pop(job_id)
-            completed[job_id] = num_workers
-            if self._loading.get(req_id) == job_id:
-                del self._loading[req_id]
-                finished_recving.add(req_id)
-                self._loaded.append(req_id)
-        self.scheduler.update_connector_output(
-            KVConnectorOutput(
-                finished_recving=finished_recving or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
-            )
-        )
-
-    def report_all_worker_jobs(self) -> None:
-        """``report_worker_jobs`` for every job still pending."""
-        self.report_worker_jobs(self.pending_job_ids)
-
-
-def offload_key(request: Request, chunk_idx: int, group_idx: int) -> OffloadKey:
-    """The key the connector uses for ``request``'s chunk ``chunk_idx`` of a group."""
-    return make_offload_key(request.block_hashes[chunk_idx], group_idx)
+DOCUMENT = list(range(1000, 1160))
+FILLER = list(range(5000, 5032))
 
 
 @dataclass
@@ -461,23 +47,7 @@ def reproduce_promotion_evicts_hit(
     spec_module_path: str | None = None,
     hybrid: bool = True,
 ) -> PromotionEvictsHitResult:
-    """Reproduce vLLM #50014: a lookup-time promotion evicts a hit that is then loaded.
-
-    Prompts share a prefix X (chunks of 16 tokens; window 2 chunks; sliding-window chunks
-    are stored only as the 2-chunk tail before each prompt's last token). CPU tier: 12 chunks.
-
-    1. ``w3`` (X[:81]) and ``w2`` (X[:129]) prefill in one step. w3 inserts FA0-4, SW3-4; w2
-       offers FA0-4 too, but they are write-pending, so w2 inserts (and touches) only
-       FA5-7, SW6-7. w2's store completes (cascading to the secondary tier); w3's does not
-       yet, and w3 keeps decoding (unfinished: its chunks keep w3's early LRU rank).
-    2. w2 finishes: its chunks are re-ranked, tail first (SW7, FA7, SW6, FA6, FA5).
-    3. ``filler`` stores 3 chunks; the full CPU tier evicts SW7, FA7, SW6 (w3's chunks are
-       write-pending, so not evictable). Then w3's and filler's stores complete.
-    4. ``c`` (X[:113]) looks up: FA0-6 HIT; sliding window from the right: SW6 misses the
-       CPU tier, hits the secondary tier and is promoted; ``prepare_write`` evicts the oldest
-       chunk, FA4 (w3's rank, tail; FA sorts before SW on the tie). SW5 MISS, SW4 and SW3 HIT:
-       the hit shrinks to 80 tokens and FA is not looked up again. ``update_state_after_alloc``
-       calls ``prepare_load(FA0-4, SW3-4)``, which asserts "Chunk ... not found in cache".
+    """Reproduce vLLM #50014 (``kvobs.vllm.incidents.promotion_evicts_hit``) on a fresh engine.
 
     With ``hybrid=False`` (e.g. ``CPUOffloadingSpec``) the same steps run and ``c`` loads,
     prefills and finishes normally; ``error`` is then None. The spec is always shut down.
@@ -494,39 +64,27 @@ def reproduce_promotion_evicts_hit(
     scheduler, _spec, kv_cache_config = build_scheduler(extra, hybrid=hybrid, num_cpu_chunks=12 if hybrid else 8)
     driver = EngineStepDriver(scheduler, kv_cache_config)
     try:
-        prefix = list(range(1000, 1160))
-        w3 = make_request("w3", prefix[:81], skip_reading_prefix_cache=True)
-        w2 = make_request("w2", prefix[:129], skip_reading_prefix_cache=True)
-        filler = make_request("filler", range(5000, 5032), skip_reading_prefix_cache=True)
-        c = make_request("c", prefix[:113])
-
-        meta = driver.step([w3, w2])
-        (w2_job,) = [j for j, job in meta.store_jobs.items() if job.req_id == w2.request_id]
-        driver.report_worker_jobs([w2_job])  # w3's store stays in flight: not evictable
-        driver.finish(w2)
-        driver.step()  # delivers w2's finish: on_request_finished re-ranks its chunks
-        driver.step([filler])
-        driver.report_all_worker_jobs()  # w3's (late) and filler's stores
-
         error: AssertionError | None = None
         try:
-            driver.step([c])
+            run = promotion_evicts_hit(driver, DOCUMENT, FILLER)
         except AssertionError as exc:
             error = exc
         else:  # no failure: let c load, prefill and finish like any request
+            w3, c = run.writers[0], run.victim
             driver.report_all_worker_jobs()
             driver.step()
-            for request in (w3, filler, c):
+            for request in (w3, run.filler, c):
                 driver.finish(request)
             driver.step()
             driver.report_all_worker_jobs()
             driver.step()
+        probe = make_request("c", DOCUMENT[:113])  # the same block hashes as the replay's c
         return PromotionEvictsHitResult(
             error=error,
-            request_id=c.request_id,
-            num_hit_tokens=driver.num_external_tokens.get(c.request_id),
-            promoted_key=offload_key(c, 6, SW_GROUP),
-            evicted_hit_key=offload_key(c, 4, FA_GROUP),
+            request_id=probe.request_id,
+            num_hit_tokens=driver.num_external_tokens.get(probe.request_id),
+            promoted_key=offload_key(probe, 6, SW_GROUP),
+            evicted_hit_key=offload_key(probe, 4, FA_GROUP),
         )
     finally:
         scheduler.shutdown()
