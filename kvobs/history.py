@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +51,8 @@ _RESET = REASONS.index("reset")
 KEEP_RESETS = 64
 """Resets are rare and a reset batch may list no keys, so they are also kept on the side."""
 _FLUSH_AT_KEYS = 4096
+_PREFILTER_KEYS = 4  # queries of at least this many keys over a ring of at least
+_PREFILTER_RING = 65_536  # this many keys scan the ring once (see last_removals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,25 +135,32 @@ class EvictionHistory:
         self._pending_keys = 0
         if not pending:
             return
+        n = len(pending)
         first_serial = self._batches_folded
         bcap = self.batch_capacity
-        counts = np.fromiter((len(b[0]) for b in pending), dtype=np.int64, count=len(pending))
-        times = np.fromiter((b[1] for b in pending), dtype=np.float64, count=len(pending))
-        flags = np.fromiter((b[2] for b in pending), dtype=np.uint8, count=len(pending))
-        serials = np.arange(first_serial, first_serial + len(pending), dtype=np.int64)
-        slots = serials % bcap
-        self._batch_time[slots] = times
-        self._batch_flags[slots] = flags
-        req = self._batch_req
-        for slot, batch in zip(slots.tolist(), pending, strict=True):
-            req[slot] = batch[3]
-        self._batches_folded += len(pending)
+        batch_keys, times, flags, reqs = zip(*pending, strict=True)
+        counts = np.fromiter(map(len, batch_keys), dtype=np.int64, count=n)
+        start = first_serial % bcap
+        if n > bcap:  # only the newest bcap batches keep their details
+            skip = n - bcap
+            times, flags, reqs = times[skip:], flags[skip:], reqs[skip:]
+            start = (first_serial + skip) % bcap
+        kept = len(times)
+        head = min(kept, bcap - start)
+        self._batch_time[start : start + head] = times[:head]
+        self._batch_flags[start : start + head] = flags[:head]
+        self._batch_req[start : start + head] = reqs[:head]
+        if head < kept:
+            self._batch_time[: kept - head] = times[head:]
+            self._batch_flags[: kept - head] = flags[head:]
+            self._batch_req[: kept - head] = reqs[head:]
+        self._batches_folded += n
 
         total = int(counts.sum())
         if total:
-            all_keys = [k for batch in pending for k in batch[0]]
-            fps = fingerprints(all_keys, total)
-            key_serials = np.repeat(serials.astype(np.uint32), counts)
+            fps = fingerprints(chain.from_iterable(batch_keys), total)
+            serials = np.arange(first_serial, first_serial + n, dtype=np.int64).astype(np.uint32)
+            key_serials = np.repeat(serials, counts)
             if total > self.capacity:
                 fps = fps[-self.capacity :]
                 key_serials = key_serials[-self.capacity :]
@@ -189,11 +199,22 @@ class EvictionHistory:
         """The most recent removal of each key, or None where none is recorded."""
         self._fold()
         filled = min(self._keys_written, self.capacity)
-        fp_ring = self._key_fp[:filled]
+        ring = self._key_fp[:filled]
         oldest_live = self._oldest_live_serial()
+        wanted = fingerprints(keys, len(keys))
+        positions: np.ndarray | None = None
+        if len(keys) >= _PREFILTER_KEYS and filled >= _PREFILTER_RING:
+            # One pass over the ring instead of one per key: a 64 Ki-entry table
+            # of the wanted fingerprints' low 16 bits picks the few candidates.
+            table = np.zeros(1 << 16, dtype=bool)
+            table[wanted & 0xFFFF] = True
+            positions = np.flatnonzero(np.take(table, ring & 0xFFFF))
+            ring = ring[positions]
         out: list[Removal | None] = []
-        for fp in fingerprints(keys, len(keys)).tolist():
-            where = np.flatnonzero(fp_ring == fp)
+        for fp in wanted.tolist():
+            where = np.flatnonzero(ring == fp)
+            if positions is not None:
+                where = positions[where]
             if where.size == 0:
                 out.append(None)
                 continue
@@ -206,7 +227,11 @@ class EvictionHistory:
         return next((reset for reset in self._resets if reset.serial >= serial), None)
 
     def stats(self) -> HistoryStats:
-        """How many keys and batches are held, and the time span they cover."""
+        """How many keys and batches are held, and the time span they cover.
+
+        O(log n): it runs on the scheduler thread (at most once a second), so it
+        binary-searches the key ring instead of copying it.
+        """
         self._fold()
         if self._batches_folded == 0:
             return HistoryStats(0, 0, None, None)
@@ -215,10 +240,9 @@ class EvictionHistory:
         keys = filled
         oldest_serial = oldest_live
         if filled:
-            oldest_slot = self._keys_written % self.capacity if filled == self.capacity else 0
-            oldest_key_serial = int(self._full_serials(self._key_serial[oldest_slot : oldest_slot + 1])[0])
+            oldest_key_serial = self._key_serial_at(0)
             if oldest_key_serial < oldest_live:
-                keys = self._count_keys_from(oldest_live)
+                keys = filled - self._first_key_from(oldest_live)
             else:
                 oldest_serial = oldest_key_serial
         newest = self._batches_folded - 1
@@ -229,13 +253,26 @@ class EvictionHistory:
             newest_time=float(self._batch_time[newest % self.batch_capacity]),
         )
 
-    def _count_keys_from(self, serial: int) -> int:
-        """Keys whose batch is still held (key serials rise along the ring)."""
+    def _key_serial_at(self, index: int) -> int:
+        """Full batch serial of the ``index``-th oldest key held."""
         filled = min(self._keys_written, self.capacity)
         start = self._keys_written % self.capacity if filled == self.capacity else 0
-        ordered = np.concatenate((self._key_serial[start:filled], self._key_serial[:start]))
-        full = self._full_serials(ordered)
-        return int(filled - np.searchsorted(full, serial, side="left"))
+        stored = int(self._key_serial[(start + index) % self.capacity])
+        return self._batches_folded - ((self._batches_folded - stored) & 0xFFFFFFFF)
+
+    def _first_key_from(self, serial: int) -> int:
+        """Index (oldest first) of the first key whose batch serial is >= ``serial``.
+
+        Key serials rise along the ring, oldest to newest, so a binary search finds it.
+        """
+        low, high = 0, min(self._keys_written, self.capacity)
+        while low < high:
+            mid = (low + high) // 2
+            if self._key_serial_at(mid) < serial:
+                low = mid + 1
+            else:
+                high = mid
+        return low
 
     def nbytes(self) -> int:
         """Bytes held by the rings (the request-id strings are shared, not counted)."""

@@ -112,3 +112,55 @@ def test_one_million_keys_fit_in_sixteen_mib() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity"):
         EvictionHistory(0)
+
+
+class _Model:
+    """The history's contract in plain Python, over the same 32-bit fingerprints."""
+
+    def __init__(self, capacity: int, batch_capacity: int) -> None:
+        self.capacity, self.batch_capacity = capacity, batch_capacity
+        self.entries: list[tuple[int, int]] = []  # (fingerprint, batch serial), oldest first
+        self.batches: list[tuple[float, str | None]] = []
+
+    def record(self, batch: list[bytes], now: float, req: str | None) -> None:
+        serial = len(self.batches)
+        self.batches.append((now, req))
+        self.entries.extend((hash(k) & 0xFFFFFFFF, serial) for k in batch)
+        del self.entries[: max(0, len(self.entries) - self.capacity)]
+
+    def last(self, key: bytes) -> tuple[float, str | None] | None:
+        fp = hash(key) & 0xFFFFFFFF
+        serials = [s for f, s in self.entries if f == fp]
+        live = max(0, len(self.batches) - self.batch_capacity)
+        return self.batches[max(serials)] if serials and max(serials) >= live else None
+
+    def keys_held(self) -> int:
+        live = max(0, len(self.batches) - self.batch_capacity)
+        return sum(1 for _, s in self.entries if s >= live)
+
+
+@pytest.mark.parametrize("batch_sizes", [(1, 3), (1, 64)], ids=["batch-ring-wraps-first", "key-ring-wraps-first"])
+def test_queries_and_stats_match_a_plain_model_past_both_rings(batch_sizes: tuple[int, int]) -> None:
+    """Large enough for the one-pass candidate scan (>= 64 Ki keys) and the binary-searched stats."""
+    import random
+
+    rng = random.Random(3)
+    history = EvictionHistory(70_000)
+    model = _Model(history.capacity, history.batch_capacity)
+    seen: list[bytes] = []
+    for i in range(60_000 if batch_sizes == (1, 3) else 4_000):
+        batch = [rng.randbytes(32) + b"\0\0\0\0" for _ in range(rng.randint(*batch_sizes))]
+        if seen and rng.random() < 0.2:
+            batch.append(rng.choice(seen))  # removed again: the latest removal wins
+        seen.extend(batch[:1])
+        history.record(batch, CAPACITY, STORE, f"r{i % 7}", now=float(i))
+        model.record(batch, float(i), f"r{i % 7}")
+        if i % 9_973 == 0:
+            assert history.stats().keys == model.keys_held()
+    stats = history.stats()
+    assert stats.keys == model.keys_held() and stats.batches == min(len(model.batches), history.batch_capacity)
+    query = [*rng.sample(seen, 24), *(rng.randbytes(32) + b"\0\0\0\0" for _ in range(8))]
+    for size in (len(query), 3, 1):  # the one-pass scan and the per-key scan agree with the model
+        got = [None if r is None else (r.time, r.req_id) for r in history.last_removals(query[:size])]
+        assert got == [model.last(k) for k in query[:size]]
+    assert any(r is not None for r in history.last_removals(query))
