@@ -22,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from kvobs.journal import read_report
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
+from kvobs.sidecar.render import Unsupported, fast_encoder
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -51,8 +52,9 @@ class SidecarServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], ingest: Ingest) -> None:
         self.ingest = ingest
+        self.collector = KvobsCollector(ingest)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvobsCollector(ingest))
+        self.registry.register(self.collector)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.started = time.time()
         super().__init__(address, Handler)
@@ -99,7 +101,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if url.path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(HTTPStatus.OK, encoder(self.server.registry), content_type)
+            self._send(HTTPStatus.OK, self._metrics_body(encoder), content_type)
         elif url.path == "/healthz":
             ingest = self.server.ingest
             with ingest.lock:
@@ -125,6 +127,16 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/api/v1/failures"]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
+
+    def _metrics_body(self, encoder: Any) -> bytes:
+        """The same bytes as ``encoder(registry)``, through the fast renderer when it has one."""
+        fast = fast_encoder(encoder)
+        if fast is not None:
+            try:
+                return fast(self.server.collector.collect())
+            except Unsupported:
+                pass
+        return bytes(encoder(self.server.registry))
 
     def do_HEAD(self) -> None:
         self.do_GET()
