@@ -20,6 +20,8 @@ logger = logging.getLogger("kvobs.sidecar")
 
 CHECKPOINT = "sidecar-state.json"
 POLL_S = 0.5
+ROUND_BYTES = 8 * 2**20  # per journal file and round
+SLICE_BYTES = 2**20  # folded under the lock at once
 CHECKPOINT_EVERY_S = 5.0
 
 
@@ -42,7 +44,13 @@ class Ingest:
         self._stop = threading.Event()
 
     def poll(self) -> None:
-        """Read whatever is new; checkpoint when due."""
+        """Read whatever is new; checkpoint when due.
+
+        Lines are read and parsed outside the lock and folded under it in slices
+        of at most ``SLICE_BYTES`` (each slice with its file offset, so a checkpoint
+        never sees records without their offset): a scrape waits for one slice,
+        not for a whole round of every engine's journal.
+        """
         journal_dir = self.dir / "journal"
         files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
         with self.lock:
@@ -50,14 +58,26 @@ class Ingest:
             present = {f.name for f in files}
             for name in [n for n in state.positions if n not in present]:
                 del state.positions[name]  # rotated away or removed
-            for path in files:
-                position = JournalPosition(state.positions.get(path.name, 0))
+            offsets = {f.name: state.positions.get(f.name, 0) for f in files}
+        for path in files:
+            offset, budget = offsets[path.name], ROUND_BYTES
+            while budget > 0:
+                position = JournalPosition(offset)
                 try:
-                    for record in read_new_records(path, position):
-                        state.apply(record)
+                    records = list(read_new_records(path, position, min(SLICE_BYTES, budget)))
+                    if position.offset == offset and budget > SLICE_BYTES:  # a line longer than a slice
+                        records = list(read_new_records(path, position, budget))
                 except FileNotFoundError:
-                    continue
-                state.positions[path.name] = position.offset
+                    break
+                if position.offset == offset:
+                    break
+                budget -= position.offset - offset
+                offset = position.offset
+                with self.lock:
+                    for record in records:
+                        state.apply(record)
+                    state.positions[path.name] = offset
+        with self.lock:
             self._read_reports()
             self.last_poll = time.time()
         if time.monotonic() - self._last_checkpoint >= CHECKPOINT_EVERY_S:
