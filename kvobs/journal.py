@@ -48,6 +48,7 @@ KEEP_REPORTS = 1_000
 MAX_REPORT_BYTES = 4 * 2**20
 KEYS_PER_RECORD = 256  # key prefixes listed per batch record (for `kvobs explain`)
 FAILURE_FLUSH_TIMEOUT_S = 2.0
+MAX_LINE_BYTES = 8 * 2**20  # far above any record kvobs writes (batch records list <= 256 keys)
 
 
 def private_dir(path: Path) -> Path:
@@ -61,16 +62,30 @@ def write_durably(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
-    finally:
         os.close(fd)
-    os.replace(tmp, path)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a full disk must not also collect half-written temp files
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is out (a nearly full disk writes short before it fails)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
 
 
 def key_ref(key: bytes) -> str:
@@ -174,9 +189,12 @@ class JournalSink(Sink):
         report = failure_report(diagnosis, exc, self.engine, time.time())
         name = f"{int(report['time'] * 1000):015d}-{self.engine}-{os.getpid()}-{self._reports}.json"
         self._reports += 1
-        write_durably(self.failures_dir / name, json.dumps(report, sort_keys=True).encode())
-        self._prune_reports()
-        self._enqueue(("failure", name, report["cause"]))
+        try:
+            write_durably(self.failures_dir / name, json.dumps(report, sort_keys=True).encode())
+            self._prune_reports()
+            self._enqueue(("failure", name, report["cause"]))
+        except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
+            self.observer.internal_error("report", fault)
         self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
 
     # -- writer ------------------------------------------------------------------------
@@ -197,7 +215,13 @@ class JournalSink(Sink):
             while self._queue:
                 lines.append(self._encode(self._queue.popleft()))
             lines.append(self._encode(("totals",)))
-            self._write(("\n".join(lines) + "\n").encode())
+            try:
+                self._write(("\n".join(lines) + "\n").encode())
+            except OSError:
+                # Lost, and said so: counted as dropped (the next totals carry the count;
+                # the counters themselves are cumulative, so they recover exactly).
+                self.dropped += len(lines) - 1
+                raise
             if durable and self._fd is not None:
                 os.fsync(self._fd)
             return True
@@ -217,12 +241,19 @@ class JournalSink(Sink):
         if self._fd is None or self._segment_bytes + len(data) > SEGMENT_BYTES:
             self._roll()
         assert self._fd is not None
-        os.write(self._fd, data)
+        try:
+            write_all(self._fd, data)
+        except OSError:
+            # Keep the file line-aligned: cut a partial append back off (disk full, EIO).
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._segment_bytes)
+            raise
         self._segment_bytes += len(data)
 
     def _roll(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            fd, self._fd = self._fd, None  # never keep a closed descriptor number (it gets reused)
+            os.close(fd)
             self._seq += 1
         path = self.journal_dir / f"{self.engine}-{os.getpid()}.{self._seq:06d}.jsonl"
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -297,13 +328,18 @@ def read_new_records(
     """Complete records appended since ``position`` (None for a corrupt line); advances it.
 
     A partial last line (the writer is mid-append, or died mid-append) is left for
-    the next call; a corrupt line is reported as None and skipped.
+    the next call; a corrupt line is reported as None and skipped. A "line" of
+    ``MAX_LINE_BYTES`` or more is no record kvobs writes: it is skipped as corrupt
+    rather than waited on forever (which would stop this file's ingest).
     """
     with open(path, "rb") as f:
         f.seek(position.offset)
         data = f.read(max_bytes)
     end = data.rfind(b"\n")
     if end < 0:
+        if len(data) >= MAX_LINE_BYTES:
+            position.offset += len(data)
+            yield None
         return
     position.offset += end + 1
     for line in data[: end + 1].splitlines():

@@ -38,7 +38,10 @@ def observe_with_options(manager: OffloadingManager, options: Options) -> Observ
     if options.dir is not None:
         from kvobs.journal import JournalSink
 
-        observer.sinks.append(JournalSink(options.dir, observer, vllm_version()))
+        try:
+            observer.sinks.append(JournalSink(options.dir, observer, vllm_version()))
+        except OSError as exc:  # an unusable directory must not stop the engine: counted, logged, in-process only
+            observer.internal_error("journal", exc)
     from kvobs.tracing import TracingSink
 
     observer.sinks.append(TracingSink(options.tracer_provider))

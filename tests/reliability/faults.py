@@ -6,6 +6,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
 from vllm_env import cpu_extra, create_manager, key
@@ -96,3 +97,51 @@ def silent_server() -> Iterator[int]:
         for conn in accepted:
             conn.close()
         server.close()
+
+
+def churn(manager: OffloadingManager, rounds: int, start: int = 0, fail_every: int = 0) -> None:
+    """Store rounds of SLOTS chunks: from the second round on each evicts the previous one.
+
+    With ``fail_every``, every n-th round's store fails (complete_store(success=False)).
+    """
+    writer = ReqContext("churn")
+    with manager.lock:
+        manager.on_new_request(writer)
+        for r in range(start, start + rounds):
+            keys = [key(10_000 + SLOTS * r + i) for i in range(SLOTS)]
+            manager.prepare_store(keys, writer)
+            manager.complete_store(keys, writer, success=not (fail_every and r % fail_every == fail_every - 1))
+        manager.on_request_finished(writer)
+
+
+def engine_totals(directory: Path, engine: str) -> dict[str, dict[str, float]]:
+    """What the sidecar's real ingest code makes of a kvobs directory (in-process, one poll)."""
+    from kvobs.sidecar.ingest import Ingest
+
+    ingest = Ingest(directory)
+    ingest.poll()
+    return ingest.state.engines[engine].totals() | {"corrupt": {"lines": ingest.state.corrupt}}
+
+
+@contextmanager
+def tmpfs(path: Path, size: str = "1m") -> Iterator[Path]:
+    """A real tmpfs mounted at ``path`` (root only); skips the test with the reason otherwise."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        import pytest
+
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def remount(path: Path, mode: str) -> None:
+    import subprocess
+
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
