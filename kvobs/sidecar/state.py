@@ -84,6 +84,35 @@ def _add(into: dict[str, dict[str, float]], totals: Mapping[str, Any]) -> None:
             target[label] = target.get(label, 0) + value
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _well_typed(record: Mapping[str, Any]) -> bool:
+    """The fields the sidecar folds have the types kvobs writes."""
+    if record.get("t") is not None and not _number(record["t"]):
+        return False
+    if record.get("pid") is not None and not isinstance(record["pid"], int):
+        return False
+    kind = record.get("k")
+    if kind == "totals":
+        for name in TOTAL_KEYS:
+            counts = record.get(name)
+            if counts is None:
+                continue
+            if not isinstance(counts, dict) or not all(
+                isinstance(k, str) and _number(v) for k, v in counts.items()
+            ):
+                return False
+        return all(record.get(k) is None or _number(record[k]) for k in ("hist_keys", "hist_window"))
+    if kind == "batch":
+        res, groups = record.get("res"), record.get("g")
+        return (res is None or (isinstance(res, list) and all(_number(a) for a in res))) and (
+            groups is None or isinstance(groups, dict)
+        )
+    return True
+
+
 @dataclass
 class EngineState:
     """One ``engine`` label: possibly several processes over time (restarts)."""
@@ -124,8 +153,12 @@ class SidecarState:
         return state
 
     def apply(self, record: dict[str, Any] | None) -> None:
-        """Fold one journal record (None: a corrupt line, counted)."""
-        if record is None or not isinstance(record.get("e"), str):
+        """Fold one journal record (None, or fields of the wrong type: a corrupt line, counted).
+
+        Checked before anything is folded, so a bad line changes nothing but the
+        corrupt count (an ill-typed totals record would otherwise break every scrape).
+        """
+        if record is None or not isinstance(record.get("e"), str) or not _well_typed(record):
             self.corrupt += 1
             return
         self.records += 1
@@ -158,8 +191,15 @@ class SidecarState:
         if not isinstance(engine, str):
             self.corrupt += 1
             return
+        missing = report.get("missing") or ()
+        if not isinstance(missing, list) or not all(
+            isinstance(k, dict) and (k.get("seconds_since_eviction") is None or _number(k["seconds_since_eviction"]))
+            for k in missing
+        ):
+            self.corrupt += 1
+            return
         state = self.engine(engine)
-        for key in report.get("missing") or ():
+        for key in missing:
             group = str(key.get("group"))
             cause = key.get("cause")
             if cause not in CAUSES:
