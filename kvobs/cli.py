@@ -1,4 +1,4 @@
-"""``kvobs serve | demo``: the command line."""
+"""``kvobs serve | demo | explain``: the command line."""
 
 from __future__ import annotations
 
@@ -30,6 +30,66 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _explain(args: argparse.Namespace) -> int:
+    import json
+
+    from kvobs.explain import (
+        ExplainError,
+        add_directory_evidence,
+        add_sidecar_evidence,
+        as_json,
+        find_assertions,
+        render,
+    )
+
+    sources = args.logs or ["-"]
+    if sources == ["-"] and sys.stdin.isatty():
+        print("kvobs explain: give a vLLM log file, or pipe one in (kvobs explain - < vllm.log)", file=sys.stderr)
+        return 2
+    found_any, results = False, []
+    try:
+        for source in sources:
+            if source == "-":
+                entries, dropped = find_assertions(sys.stdin.buffer)
+                name = "standard input"
+            else:
+                try:
+                    with open(source, "rb") as stream:
+                        entries, dropped = find_assertions(stream)
+                except OSError as exc:
+                    raise ExplainError(f"cannot read {source}: {exc.strerror or exc}") from exc
+                name = source
+            if args.dir:
+                add_directory_evidence(entries, Path(args.dir))
+            if args.sidecar:
+                add_sidecar_evidence(entries, args.sidecar)
+            found_any = found_any or bool(entries)
+            if args.json:
+                results.append({"source": name, "assertions": as_json(entries), "not_shown": dropped})
+            else:
+                print(render(entries, dropped, bool(args.dir or args.sidecar), name), end="")
+    except ExplainError as exc:
+        print(f"kvobs explain: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0 if found_any else 1
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="kvobs", description="Make vLLM's KV-cache offloading explain itself.")
     sub = root.add_subparsers(dest="command", required=True)
@@ -41,11 +101,23 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="show kvobs explaining failed loads on vLLM's real offload manager (CPU)")
     demo.add_argument("--dir", default=None, help="kvobs directory (default: a new temporary one)")
     demo.add_argument("--port", type=int, default=9464, help="sidecar port (default 9464)")
-    demo.add_argument("--requests", type=int, default=400, help="requests in the workload (default 400)")
+    demo.add_argument("--requests", type=_positive_int, default=1000, help="requests per engine (default 1000)")
+    demo.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
+                      help="keep the traffic going at least this long per engine (default: until --requests)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed")
     demo.add_argument("--no-tiering", action="store_true", help="only the CPU spec, no tiering run")
     demo.add_argument("--keep-serving", action="store_true", help="keep the sidecar running afterwards")
     demo.set_defaults(func=_demo)
+    explain = sub.add_parser(
+        "explain", help="explain the offload assertions in a vLLM log, with kvobs's records when given",
+        description="Find vLLM's offload assertions ('Block|Chunk ... not found in cache', '... is not ready for "
+                    "reading') in log files or standard input, decode each key, and add what kvobs recorded.",
+    )
+    explain.add_argument("logs", nargs="*", metavar="LOG", help="vLLM log files ('-' or none: standard input)")
+    explain.add_argument("--dir", help="a kvobs directory (KVOBS_DIR): failure reports and journaled removals")
+    explain.add_argument("--sidecar", metavar="URL", help="a running sidecar, e.g. http://127.0.0.1:9464")
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.set_defaults(func=_explain)
     return root
 
 

@@ -1,22 +1,34 @@
-"""``kvobs demo``: kvobs explaining failed loads on vLLM's real offload managers, on CPU.
+"""``kvobs demo``: kvobs explaining failed loads on vLLM 0.33.0's real offloading stack, on CPU.
 
-Starts the sidecar, runs a shared-prefix workload under eviction pressure through
-the CPU spec and the tiering spec (both plugged in as ``ObservedOffloadingSpec``),
-makes a coverage mismatch and a promotion-evicts-hit failure happen, prints each
-explanatory message, and ends with a summary and where to look.
+Starts the sidecar, serves traffic through the real ``OffloadingConnectorScheduler`` and the
+``ObservedOffloadingSpec`` plugin on two engines (CPU spec, tiering spec; see
+``kvobs.vllm.demo_workload`` for what happens there and what is injected), prints each
+explanatory message as it happens, and ends with a summary and where to look.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvobs.vllm.demo_workload import EngineRun, EngineSetup, Workload
+
+WIDTH = 100
 
 
 def _get(url: str) -> bytes:
@@ -24,62 +36,160 @@ def _get(url: str) -> bytes:
         return bytes(response.read())
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from kvobs.vllm.demo_workload import coverage_mismatch, observed_manager, promotion_evicts_hit, run_requests
+def _sidecar_totals(url: str) -> dict[str, float]:
+    """Sums of the sidecar's counters the summary checks against the engines' own."""
+    totals = {"kvobs_evicted_chunks": 0.0, "kvobs_load_failures": 0.0, "kvobs_hits_evicted_before_load": 0.0}
+    for family in text_string_to_metric_families(_get(f"{url}/metrics").decode()):
+        if family.name in totals:
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
 
-    logging.getLogger("kvobs").setLevel(logging.CRITICAL)  # the demo prints each message itself
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-demo-"))
-    url = f"http://127.0.0.1:{args.port}"
-    sidecar = subprocess.Popen(
-        [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(args.port)],
+
+def _nonzero(counts: Mapping[str, int]) -> str:
+    shown = {k: v for k, v in counts.items() if v}
+    return ", ".join(f"{k} {v}" for k, v in shown.items()) or "none"
+
+
+class Console:
+    """Progress on one line when stdout is a terminal; whole lines otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._last_line = 0.0
+        self._partial = False
+
+    def line(self, text: str = "") -> None:
+        if self._partial:
+            print()
+            self._partial = False
+        print(text, flush=True)
+
+    def progress(self, run: EngineRun, total: int) -> None:
+        text = (f"  {run.setup.engine}: {run.requests}/{total} requests, {run.steps} steps, "
+                f"{sum(run.evicted.values())} chunks evicted, {sum(run.failures.values())} failed loads")
+        if self.tty:
+            print(f"\r{text}", end="", flush=True)
+            self._partial = True
+        elif time.monotonic() - self._last_line > 2.0:
+            self._last_line = time.monotonic()
+            self.line(text)
+
+
+def _engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
+    from kvobs.vllm.demo_workload import CPU_ENGINE, TIERING_ENGINE
+
+    return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, TIERING_ENGINE]
+
+
+def _start_sidecar(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    print(f"kvobs demo: sidecar at {url}/metrics, kvobs directory {directory}")
-    specs = ["CPUOffloadingSpec"] if args.no_tiering else ["CPUOffloadingSpec", "TieringOffloadingSpec"]
-    totals: dict[str, dict[str, int]] = {"evicted": {}, "near_misses": {}, "failures": {}}
+
+
+def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sidecar.poll() is not None:
+            err = sidecar.stderr.read().decode(errors="replace") if sidecar.stderr else ""
+            raise RuntimeError(f"the sidecar exited ({sidecar.returncode}): {err.strip()[-500:]}")
+        try:
+            _get(f"{url}/healthz")
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the sidecar did not answer at {url}/healthz within {timeout:.0f}s")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from vllm import __version__ as vllm_version
+
+    from kvobs.vllm.demo_workload import Workload
+
+    # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
+    # store in the small CPU tier) would bury them.
+    logging.getLogger("kvobs").setLevel(logging.CRITICAL)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-demo-"))
+    url = f"http://127.0.0.1:{args.port}"
+    console = Console()
+    sidecar = _start_sidecar(directory, args.port)
     try:
-        for index, spec in enumerate(specs):
-            manager = observed_manager(spec, num_chunks=64 if index == 0 else 16,
-                                       directory=str(directory), engine=f"dp{index}")
-
-            def progress(done: int, spec: str = spec) -> None:
-                if done % 50 == 0 or done == args.requests:
-                    print(f"\r  {spec}: {done}/{args.requests} requests", end="", flush=True)
-
-            shown: dict[str, int] = {}
-
-            def explain(exc: AssertionError, shown: dict[str, int] = shown) -> None:
-                cause = str(exc).split("cause: ", 1)[-1].split(" ", 1)[0]
-                shown[cause] = shown.get(cause, 0) + 1
-                if shown[cause] <= 1:
-                    print(f"\n  vLLM would have died here; kvobs says:\n  AssertionError: {exc}\n")
-
-            print(f"\n[{spec}] {args.requests} requests over shared prefixes, eviction pressure")
-            run_requests(manager, args.requests, args.seed + index, progress, explain)
-            print()
-            scenario = coverage_mismatch if index == 0 else promotion_evicts_hit
-            for exc in scenario(manager):
-                print(f"\n  vLLM would have died here; kvobs says:\n  AssertionError: {exc}\n")
-            obs = manager.observer
-            counters = (("evicted", obs.evicted), ("near_misses", obs.near_misses), ("failures", obs.failures))
-            for name, counter in counters:
-                for label, value in counter.items():
-                    totals[name][label] = totals[name].get(label, 0) + value
-            manager.shutdown()
-        time.sleep(1.5)  # let the sidecar read the journals
-        reports = json.loads(_get(f"{url}/api/v1/failures"))["failures"]
-        print("summary")
-        print(f"  evicted chunks by reason: { {k: v for k, v in totals['evicted'].items() if v} }")
-        print(f"  near misses (hits evicted before load): {sum(totals['near_misses'].values())}")
-        print(f"  load failures by cause: { {k: v for k, v in totals['failures'].items() if v} }")
-        print(f"  failure reports: {len(reports)} in {directory / 'failures'} and {url}/api/v1/failures")
-        print(f"  metrics: {url}/metrics (dashboards: dashboards/, see README)")
+        _wait_until_up(sidecar, url)
+        console.line(f"kvobs demo on vLLM {vllm_version}: the real OffloadingConnectorScheduler and offload managers, "
+                     "on CPU")
+        console.line(f"  sidecar:  {url}/metrics   kvobs directory: {directory}")
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        console.line(f"  traces:   {'OTLP to ' + otlp if otlp else 'not exported (set OTEL_EXPORTER_OTLP_ENDPOINT)'}")
+        workload = Workload(requests=args.requests, seed=args.seed, duration_s=args.duration)
+        runs = [_run_one(setup, workload, directory, console) for setup in _engine_setups(args)]
+        _summary(console, runs, url, directory)
         if args.keep_serving:
-            print("  sidecar keeps serving; Ctrl-C to stop")
+            console.line(f"\nThe sidecar keeps serving {url}/metrics; point Prometheus at it. Ctrl-C to stop.")
             sidecar.wait()
         return 0
     except KeyboardInterrupt:
-        return 0
+        return 130
+    except RuntimeError as exc:
+        console.line()
+        print(f"kvobs demo: {exc}", file=sys.stderr)
+        return 1
     finally:
         sidecar.terminate()
         sidecar.wait(timeout=10)
+
+
+def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console) -> EngineRun:
+    from kvobs.vllm.demo_workload import run_engine
+    console.line(f"\n[{setup.engine}] {setup.describe()}")
+    if setup.allocator_retained_tokens:
+        console.line(textwrap.fill(
+            f"injected: the allocator keeps {setup.allocator_retained_tokens} tokens of sliding-window history that "
+            "the connector's lookup does not check (the range disagreement of vLLM #56701)",
+            WIDTH, initial_indent="  ", subsequent_indent="  "))
+    if setup.replay_incident:
+        console.line("  first requests: the request pattern of vLLM #50014 (nothing injected)")
+    shown: set[str] = set()
+
+    def on_failure(exc: AssertionError, request: Request) -> None:
+        text = str(exc)
+        cause = text.rsplit("cause: ", 1)[-1].split(" ", 1)[0]
+        if cause in shown:
+            return
+        shown.add(cause)
+        console.line(f"\n  {request.request_id}: prepare_load() failed. vLLM's engine would die here; kvobs says:")
+        console.line(textwrap.fill(f"AssertionError: {text}", WIDTH, initial_indent="    ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False))
+        console.line("  (further failures with this cause are counted, not printed)\n")
+
+    return run_engine(setup, workload, str(directory), lambda r: console.progress(r, workload.requests), on_failure)
+
+
+def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path) -> None:
+    console.line("\nsummary")
+    for run in runs:
+        console.line(f"  {run.setup.engine} ({run.setup.spec}): {run.requests} requests in {run.seconds:.1f}s")
+        console.line(f"    evicted chunks: {_nonzero(run.evicted)}")
+        console.line(f"    near misses (hits evicted before their load): {_nonzero(run.near_misses)}")
+        console.line(f"    failed loads by cause: {_nonzero(run.failures)}")
+    expected = {
+        "kvobs_evicted_chunks": sum(sum(r.evicted.values()) for r in runs),
+        "kvobs_load_failures": sum(sum(r.failures.values()) for r in runs),
+        "kvobs_hits_evicted_before_load": sum(sum(r.near_misses.values()) for r in runs),
+    }
+    deadline = time.monotonic() + 10
+    seen = _sidecar_totals(url)
+    while seen != expected and time.monotonic() < deadline:
+        time.sleep(0.25)
+        seen = _sidecar_totals(url)
+    agree = "agrees" if seen == expected else f"DISAGREES (sidecar {seen}, engines {expected})"
+    console.line(f"  the sidecar {agree}: {int(seen['kvobs_evicted_chunks'])} evicted, "
+                 f"{int(seen['kvobs_load_failures'])} failed loads, "
+                 f"{int(seen['kvobs_hits_evicted_before_load'])} near misses")
+    reports = len(list((directory / "failures").glob("*.json")))
+    console.line("\nwhere to look")
+    console.line(f"  metrics:          {url}/metrics")
+    console.line(f"  failure reports:  {directory / 'failures'} ({reports} files), {url}/api/v1/failures")
+    console.line(f"  explain a log:    kvobs explain --dir {directory} vllm.log")
+    console.line("  dashboards:       dashboards/ (Grafana; see README, 'Dashboards and alerts')")

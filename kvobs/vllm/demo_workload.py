@@ -1,146 +1,202 @@
-"""A small workload on vLLM 0.33.0's real offload managers (CPU only), for ``kvobs demo``.
+"""The ``kvobs demo`` workload: vLLM 0.33.0's real connector scheduler and managers, on CPU.
 
-Requests share prefixes and store more chunks than the CPU tier holds (eviction
-pressure); two defects then happen the way they do in production: a load asks
-for a chunk its lookup never reported (coverage mismatch), and, with tiering, a
-promotion started inside ``lookup()`` evicts a chunk already reported as a hit.
+Each demo engine is a hybrid model (full-attention KV groups plus a sliding-window group)
+served through the real ``OffloadingConnectorScheduler`` and the ``ObservedOffloadingSpec``
+plugin built by vLLM's own factory; ``scheduler_driver`` plays the engine's scheduler and
+workers. Traffic: multi-turn chats on shared system prompts and questions on shared documents,
+under eviction pressure. The two defect classes then happen the way they do in production:
+
+* **CPU engine** (``CPUOffloadingSpec``, two full-attention groups): the allocator keeps one
+  chunk of sliding-window history more than the connector's lookup checks, as vLLM's MTP
+  retained history did before 0.31 (#56701). This range disagreement is the one thing the demo
+  injects (``allocator_retained_tokens``); loads then ask for chunks their lookup never reported.
+* **tiering engine** (``TieringOffloadingSpec``, 12-chunk CPU tier): its first requests follow
+  the pattern of vLLM #50014 (``incidents.promotion_evicts_hit``); a sliding-window chunk found
+  only in the secondary tier is promoted inside the lookup pass and its write evicts a
+  full-attention chunk the same pass counted as a hit. Nothing is injected.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.kv_offload.base import (
-    LookupResult,
-    OffloadingManager,
-    OffloadKey,
-    ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
-)
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.request import Request
 
+from kvobs.vllm.incidents import DOCUMENT_TOKENS, promotion_evicts_hit
 from kvobs.vllm.manager import ObservedOffloadingManager
+from kvobs.vllm.scheduler_driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
 
-CHUNK_BYTES = 4096
-END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+MAX_PROMPT_TOKENS = 512
 
 
-def observed_manager(inner_spec: str, num_chunks: int, directory: str, engine: str) -> ObservedOffloadingManager:
-    """The plugin as vLLM loads it, from a kv_connector_extra_config dict."""
+@dataclass(frozen=True)
+class EngineSetup:
+    """One demo engine: its spec and shape."""
+
+    spec: str
+    engine: str
+    num_full_groups: int
+    num_cpu_chunks: int
+    allocator_retained_tokens: int = 0
+    replay_incident: bool = False
+
+    def describe(self) -> str:
+        groups = f"{self.num_full_groups} full-attention group{'s' * (self.num_full_groups > 1)} + 1 sliding-window"
+        return f"{self.spec}, hybrid model ({groups}), CPU tier of {self.num_cpu_chunks} chunks"
+
+
+CPU_ENGINE = EngineSetup("CPUOffloadingSpec", "dp0", num_full_groups=2, num_cpu_chunks=48,
+                         allocator_retained_tokens=BLOCK_SIZE)
+TIERING_ENGINE = EngineSetup("TieringOffloadingSpec", "dp1", num_full_groups=1, num_cpu_chunks=12,
+                             replay_incident=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Size of the demo traffic: ``requests`` per engine, or more until ``duration_s`` passed."""
+
+    requests: int = 400
+    seed: int = 0
+    duration_s: float | None = None
+    max_new_per_step: int = 3
+    num_system_prompts: int = 8
+    num_documents: int = 4
+    document_share: float = 0.5
+    worker_report_probability: float = 0.8
+
+
+@dataclass
+class EngineRun:
+    """What one demo engine did, read from kvobs's own counters."""
+
+    setup: EngineSetup
+    requests: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    evicted: dict[str, int] = field(default_factory=dict)
+    near_misses: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+def extra_config(spec: str, directory: str, engine: str) -> dict[str, Any]:
+    """``kv_connector_extra_config`` as a user passes it to ``vllm serve`` (see README)."""
     extra: dict[str, Any] = {
         "spec_name": "ObservedOffloadingSpec",
         "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": inner_spec, "dir": directory, "engine": engine},
-        "cpu_bytes_to_use": num_chunks * CHUNK_BYTES,
+        "kvobs": {"inner_spec": spec, "dir": directory, "engine": engine},
     }
-    if inner_spec == "TieringOffloadingSpec":
+    if spec == "TieringOffloadingSpec":
         extra.update(secondary_tiers=[{"type": "example"}], tier_poll_interval_s=0)
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("full",), 0), OffloadingGroupConfig(16, ("swa",), 1, 2)),
-        worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=f"kvobs-demo-{engine}",
-        model=OffloadingModelConfig(name="kvobs-demo", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    return extra
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+class Traffic:
+    """Prompts of chats and document questions that share prefixes the way real traffic does."""
+
+    def __init__(self, rng: random.Random, workload: Workload, engine: str) -> None:
+        self.rng, self.workload, self.engine = rng, workload, engine
+        self.documents = [_tokens(rng, BLOCK_SIZE * rng.randrange(4, 13)) for _ in range(workload.num_documents)]
+        self.system_prompts = [_tokens(rng, rng.randrange(32, 97)) for _ in range(workload.num_system_prompts)]
+        self.chats: list[list[int]] = []  # each turn extends the chat's last prompt and reply
+        self.chat_of: dict[str, int] = {}
+        self.admitted = 0
+
+    def next_request(self) -> Request:
+        rng = self.rng
+        chat = -1
+        if rng.random() < self.workload.document_share:  # a question on a document, cut at a chunk
+            document = self.documents[min(int(rng.paretovariate(1.0)) - 1, len(self.documents) - 1)]
+            cut = BLOCK_SIZE * rng.randrange(2, len(document) // BLOCK_SIZE + 1)
+            prompt = document[:cut] + _tokens(rng, rng.randrange(1, BLOCK_SIZE))
+        else:
+            if self.chats and rng.random() < 0.6:
+                chat = rng.randrange(len(self.chats))
+            else:
+                system = self.system_prompts[min(int(rng.paretovariate(1.2)) - 1, len(self.system_prompts) - 1)]
+                self.chats.append(list(system))
+                chat = len(self.chats) - 1
+            prompt = self.chats[chat] + _tokens(rng, rng.randrange(4, 40))
+            if len(prompt) > MAX_PROMPT_TOKENS:  # the chat grew too long: start it over
+                prompt = self.chats[chat][:BLOCK_SIZE] + _tokens(rng, 8)
+            self.chats[chat] = prompt
+        request = make_request(f"req-{self.engine}-{self.admitted}", prompt)
+        self.chat_of[request.request_id] = chat
+        self.admitted += 1
+        return request
+
+    def finished(self, request: Request) -> None:
+        """The reply joins the chat's history."""
+        chat = self.chat_of.pop(request.request_id, -1)
+        if chat >= 0:
+            self.chats[chat] = list(request.all_token_ids)
+
+
+def run_engine(
+    setup: EngineSetup,
+    workload: Workload,
+    directory: str,
+    on_progress: Callable[[EngineRun], None],
+    on_failure: Callable[[AssertionError, Request], None],
+) -> EngineRun:
+    """Serve the workload on one engine; every failed load goes to ``on_failure`` (vLLM would die)."""
+    started = time.monotonic()
+    scheduler, _spec, kv_cache_config = build_scheduler(
+        extra_config(setup.spec, directory, setup.engine), hybrid=True,
+        num_full_groups=setup.num_full_groups, num_cpu_chunks=setup.num_cpu_chunks,
     )
-    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    manager = scheduler.manager
     assert isinstance(manager, ObservedOffloadingManager)
-    return manager
+    driver = EngineStepDriver(scheduler, kv_cache_config, allocator_retained_tokens=setup.allocator_retained_tokens,
+                              on_load_failure=on_failure)
+    rng = random.Random(f"{workload.seed}-{setup.engine}")
+    traffic = Traffic(rng, workload, setup.engine)
+    run = EngineRun(setup)
+    decode_left: dict[str, int] = {}
 
+    def more() -> bool:
+        if traffic.admitted < workload.requests:
+            return True
+        return workload.duration_s is not None and time.monotonic() - started < workload.duration_s
 
-def _key(prefix: int, chunk: int, group: int) -> OffloadKey:
-    return make_offload_key(random.Random(prefix * 1_000_003 + chunk).randbytes(32), group)
+    def snapshot() -> EngineRun:
+        observer = manager.observer
+        run.requests, run.seconds = traffic.admitted, time.monotonic() - started
+        run.evicted, run.near_misses = dict(observer.evicted), dict(observer.near_misses)
+        run.failures = dict(observer.failures)
+        return run
 
-
-def run_requests(
-    manager: OffloadingManager,
-    requests: int,
-    seed: int,
-    progress: Callable[[int], None],
-    on_failure: Callable[[AssertionError], None],
-) -> None:
-    """Requests over 16 shared prefixes: look up a prefix, load its hits, store the rest.
-
-    With tiering, a lookup that promotes a secondary-tier chunk can evict a hit the
-    same pass already reported: the load then asserts, as in vLLM #50014. vLLM
-    would die; the demo reports it and goes on.
-    """
-    rng = random.Random(seed)
-    for i in range(requests):
-        context = ReqContext(f"req-{i}")
-        prefix, length = rng.randrange(16), rng.randint(4, 12)
-        keys = [(_key(prefix, c, 0), 16 * (c + 1)) for c in range(length)]
-        keys += [(_key(prefix, c, 1), 16 * (c + 1)) for c in range(max(0, length - 2), length)]
-        with manager.lock:
-            manager.on_new_request(context)
-            hits = []
-            for key, end in keys:
-                context.set_offload_key_position(key, end)
-                if manager.lookup(key, context) is not LookupResult.HIT:
-                    break
-                hits.append(key)
-            if hits:
-                try:
-                    manager.prepare_load(hits, context)
-                    manager.complete_load(hits, context)
-                except AssertionError as exc:
-                    on_failure(exc)
-            rest = [k for k, _ in keys if k not in hits]
-            out = manager.prepare_store(rest, context)
-            if out is not None and out.keys_to_store:
-                manager.complete_store(out.keys_to_store, context)
-            manager.on_request_finished(context)
-            manager.on_schedule_end(ScheduleEndContext(new_req_ids=[context.req_id], preempted_req_ids=()))
-        progress(i + 1)
-
-
-def coverage_mismatch(manager: ObservedOffloadingManager) -> Iterator[AssertionError]:
-    """A load asks for a chunk beyond what its lookup covered (never stored)."""
-    context = ReqContext("req-coverage")
-    with manager.lock:
-        manager.on_new_request(context)
-        key = _key(99, 0, 1)
-        context.set_offload_key_position(key, 2048)
-        try:
-            manager.prepare_load([key], context)
-        except AssertionError as exc:
-            yield exc
-
-
-def promotion_evicts_hit(manager: ObservedOffloadingManager) -> Iterator[AssertionError]:
-    """Tiering: a secondary-tier hit is promoted during lookup and evicts a reported primary hit."""
-    writer = ReqContext("req-writer")
-    with manager.lock:
-        manager.on_new_request(writer)
-        old = [_key(500, c, 0) for c in range(64)]  # fill more than the primary tier: the oldest go secondary-only
-        for key in old:
-            out = manager.prepare_store([key], writer)
-            if out is not None and out.keys_to_store:
-                manager.complete_store(out.keys_to_store, writer)
-            manager.on_schedule_end(END)
-        context = ReqContext("req-promote")
-        manager.on_new_request(context)
-        primary_hit = old[-1]
-        context.set_offload_key_position(primary_hit, 1024)
-        assert manager.lookup(primary_hit, context) is LookupResult.HIT
-        policy = manager.cpu_policy
-        for victim in old:  # secondary-only chunks are promoted; each promotion evicts a primary chunk
-            if policy is None or policy.get(primary_hit) is None:
-                break
-            manager.lookup(victim, context)
-        try:
-            manager.prepare_load([primary_hit], context)
-        except AssertionError as exc:
-            yield exc
+    try:
+        if setup.replay_incident:
+            promotion_evicts_hit(driver, _tokens(rng, DOCUMENT_TOKENS), _tokens(rng, 32), f"{setup.engine}-incident-")
+        while more() or driver.running or driver.pending_job_ids:
+            new = [traffic.next_request() for _ in range(rng.randint(0, workload.max_new_per_step)) if more()]
+            for request in new:
+                decode_left[request.request_id] = rng.randint(1, 8)
+            driver.step(new)
+            run.steps += 1
+            # Workers finish most transfers by the next step; some stay in flight longer.
+            pending = driver.pending_job_ids
+            driver.report_worker_jobs([j for j in pending if rng.random() < workload.worker_report_probability])
+            for request in driver.running:
+                left = decode_left[request.request_id] = decode_left.get(request.request_id, 1) - 1
+                if left <= 0:
+                    driver.finish(request)
+                    traffic.finished(request)
+            if run.steps % 20 == 0:
+                on_progress(snapshot())
+        driver.step()  # deliver the last finishes
+        driver.report_all_worker_jobs()
+        driver.step()
+    finally:
+        snapshot()
+        scheduler.shutdown()
+    on_progress(run)
+    return run
