@@ -1,0 +1,398 @@
+"""``kvobs explain``: read vLLM logs people already have and say what their offload assertions mean.
+
+Finds every offload assertion in every wording vLLM has used (``Block ...`` up to 0.28,
+``Chunk ...`` since; ``not found in cache``, ``is not ready for reading``), decodes each key
+(block-hash prefix, KV-cache group), reads kvobs's own explanation when the log already carries
+it, and — given a kvobs directory or a sidecar URL — adds what kvobs recorded about that key:
+its failure report and its last removals. Without kvobs data it says what the log alone tells
+and what to enable next time.
+
+Pure text processing and file reading; never imports vLLM. Any input is accepted: undecodable
+bytes are replaced, over-long lines cut, and a key that cannot be parsed is shown raw.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from kvobs.diagnosis import CAUSES
+from kvobs.journal import MAX_REPORT_BYTES, JournalPosition, read_new_records, read_report
+from kvobs.keys import decode_key
+
+MAX_LINE_BYTES = 1 << 20
+"""Longer log lines are cut (an assertion line is a few hundred bytes; kvobs's own ~2 KiB)."""
+MAX_ASSERTIONS = 1_000
+"""Distinct assertions reported per run; further ones are counted."""
+MAX_JOURNAL_BYTES = 2 << 30
+"""Journal bytes scanned for removals (kvobs keeps at most 64 MiB per engine process)."""
+REMOVALS_SHOWN = 3
+MAX_PLAUSIBLE_GROUP = 1024
+"""A key whose last 4 bytes read as a larger group index is a bare block hash (no group suffix)."""
+
+_BYTES_LITERAL = r"b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\""
+_STR_LITERAL = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+ASSERTION = re.compile(
+    rf"(?P<noun>Block|Chunk) (?P<key>{_BYTES_LITERAL}|-?\d+|0x[0-9a-fA-F]+) "
+    r"(?P<what>not found in (?:file )?cache|is not ready for reading)"
+)
+KVOBS_SUFFIX = re.compile(rf" \(group=(?P<group>-?\d+|None), req_id=(?P<req>{_STR_LITERAL}|None)\)")
+KVOBS_CAUSE = re.compile(r"cause: (?P<cause>[a-z_]+) \((?P<evidence>[^\n]*?)\)(?:;|$| causes per key)")
+ENGINE = re.compile(r"EngineCore(?:_DP|_)?(?P<dp>\d+)?\b")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+LOG_TIME = re.compile(r"\b(?P<time>\d\d-\d\d \d\d:\d\d:\d\d)\b")
+
+MEANING = {
+    "evicted_after_lookup": "this request's lookup reported the chunk (HIT), then a capacity eviction removed it",
+    "reset_after_lookup": "reported, then reset_cache() dropped it",
+    "store_failed_after_lookup": "reported (HIT_PENDING), then its store failed and removed it",
+    "coverage_mismatch": "this request's lookup never reported the chunk",
+    "store_in_flight": "the chunk exists but its store has not completed",
+    "unknown": "reported, but no removal recorded (older than the history, or an unobserved path)",
+}
+assert set(MEANING) == set(CAUSES)
+
+ENABLE_HINT = (
+    "Next time, run vLLM with kvobs so the assertion names its cause: "
+    "--kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\","
+    "\"kv_connector_extra_config\":{\"spec_name\":\"ObservedOffloadingSpec\",\"spec_module_path\":\"kvobs.vllm\","
+    "\"kvobs\":{\"inner_spec\":\"CPUOffloadingSpec\"}, ...}}' with KVOBS_DIR set, run `kvobs serve --dir "
+    "$KVOBS_DIR`, and pass --dir to `kvobs explain`."
+)
+
+
+class ExplainError(Exception):
+    """Bad input to ``kvobs explain`` (a file, directory or URL that cannot be read)."""
+
+
+@dataclass
+class LoggedAssertion:
+    """One offload assertion found in a log, with what can be read from it alone."""
+
+    line: int
+    text: str
+    noun: str
+    state: str  # "missing" | "not_ready"
+    what: str  # vLLM's words after the key
+    key_text: str
+    key: bytes | None
+    engine: str | None = None
+    log_time: str | None = None
+    occurrences: int = 1
+    kvobs_group: int | None = None
+    kvobs_req_id: str | None = None
+    kvobs_cause: str | None = None
+    kvobs_evidence: str | None = None
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    removals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key_ref(self) -> str | None:
+        """The key as kvobs journals it: hash prefix / group."""
+        if self.key is None or len(self.key) < 5:
+            return None
+        decoded = decode_key(self.key)
+        return f"{decoded.hash_prefix}/{decoded.group}"
+
+    @property
+    def vllm_text(self) -> str:
+        return f"{self.noun} {self.key_text} {self.what}"
+
+
+# -- reading logs ---------------------------------------------------------------------------
+
+
+def _lines(stream: BinaryIO) -> Iterator[str]:
+    """Decoded lines, each at most MAX_LINE_BYTES (the rest of a longer line is skipped)."""
+    while True:
+        raw = stream.readline(MAX_LINE_BYTES)
+        if not raw:
+            return
+        if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while True:  # skip the remainder of an over-long line
+                rest = stream.readline(MAX_LINE_BYTES)
+                if not rest or rest.endswith(b"\n"):
+                    break
+        yield ANSI.sub("", raw.decode("utf-8", errors="replace"))
+
+
+def _parse_key(text: str) -> bytes | None:
+    if not text.startswith(("b'", 'b"')):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, bytes) else None
+
+
+def _parse_str(text: str) -> str | None:
+    if text == "None":
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def find_assertions(stream: BinaryIO) -> tuple[list[LoggedAssertion], int]:
+    """Distinct offload assertions in a log (by wording and key), and how many were not kept."""
+    found: dict[tuple[str, str, str], LoggedAssertion] = {}
+    dropped = 0
+    for number, line in enumerate(_lines(stream), start=1):
+        for match in ASSERTION.finditer(line):
+            state = "missing" if match["what"].startswith("not found") else "not_ready"
+            ident = (match["noun"], match["key"], state)
+            known = found.get(ident)
+            if known is not None:
+                known.occurrences += 1
+                _read_kvobs_suffix(known, line, match.end())
+                continue
+            if len(found) >= MAX_ASSERTIONS:
+                dropped += 1
+                continue
+            engine = ENGINE.search(line)
+            when = LOG_TIME.search(line)
+            entry = LoggedAssertion(
+                line=number,
+                text=line.strip()[:2000],
+                noun=match["noun"],
+                state=state,
+                what=match["what"],
+                key_text=match["key"],
+                key=_parse_key(match["key"]),
+                engine=None if engine is None else (f"dp{engine['dp']}" if engine["dp"] else "EngineCore"),
+                log_time=None if when is None else when["time"],
+            )
+            _read_kvobs_suffix(entry, line, match.end())
+            found[ident] = entry
+    return list(found.values()), dropped
+
+
+def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
+    """kvobs's message follows vLLM's text on the same line: read its group, request and cause."""
+    if entry.kvobs_cause is not None:
+        return
+    suffix = KVOBS_SUFFIX.match(line, end)
+    if suffix is None:
+        return
+    entry.kvobs_group = None if suffix["group"] == "None" else int(suffix["group"])
+    entry.kvobs_req_id = _parse_str(suffix["req"])
+    cause = KVOBS_CAUSE.search(line, suffix.end())
+    if cause is not None and cause["cause"] in MEANING:
+        entry.kvobs_cause, entry.kvobs_evidence = cause["cause"], cause["evidence"]
+
+
+# -- what kvobs recorded --------------------------------------------------------------------
+
+
+def _report_matches(report: dict[str, Any], entry: LoggedAssertion) -> bool:
+    if report.get("vllm_message") == entry.vllm_text:
+        return True
+    ref = entry.key_ref
+    missing = report.get("missing")
+    return ref is not None and isinstance(missing, list) and any(
+        isinstance(m, dict) and m.get("key") == ref for m in missing
+    )
+
+
+def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> None:
+    """Failure reports and journaled removals in a kvobs directory, for each logged key."""
+    if not directory.is_dir():
+        raise ExplainError(f"--dir {directory}: not a directory (expected the KVOBS_DIR the engines wrote)")
+    failures = directory / "failures"
+    if failures.is_dir():
+        for path in sorted(failures.glob("*.json"), reverse=True):
+            try:
+                report = read_report(path)
+            except (OSError, ValueError):
+                continue
+            report["id"] = path.stem
+            for entry in entries:
+                if _report_matches(report, entry):
+                    entry.reports.append(report)
+    wanted: dict[str, list[LoggedAssertion]] = {}
+    for entry in entries:
+        ref = entry.key_ref
+        if ref is not None:
+            wanted.setdefault(ref, []).append(entry)
+    if wanted:
+        for removal in _journal_removals(directory / "journal", set(wanted)):
+            for entry in wanted[removal["key"]]:
+                entry.removals.append(removal)
+        for entry in entries:
+            entry.removals.sort(key=lambda r: r["time"], reverse=True)
+            del entry.removals[REMOVALS_SHOWN:]
+
+
+def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, Any]]:
+    """Batch records naming one of ``refs`` (keys beyond the 256 listed per batch are not named)."""
+    if not journal_dir.is_dir():
+        return
+    budget = MAX_JOURNAL_BYTES
+    for path in sorted(journal_dir.glob("*.jsonl")):
+        position = JournalPosition()
+        while budget > 0:
+            before = position.offset
+            try:
+                records = list(read_new_records(path, position))
+            except OSError:
+                break
+            if position.offset == before:
+                break
+            budget -= position.offset - before
+            for record in records:
+                yield from _removals_in(record, refs)
+
+
+def _removals_in(record: dict[str, Any] | None, refs: set[str]) -> Iterator[dict[str, Any]]:
+    if record is None or record.get("k") != "batch" or not isinstance(record.get("keys"), list):
+        return
+    res = record.get("res")
+    residency: list[Any] = res if isinstance(res, list) else []
+    seen: set[str] = set()
+    for index, key in enumerate(record["keys"]):
+        if key in refs and key not in seen:  # one removal per batch, even if two keys share a prefix
+            seen.add(key)
+            yield {
+                "key": key,
+                "engine": record.get("e"),
+                "pid": record.get("pid"),
+                "time": float(record.get("t", 0.0)),
+                "reason": record.get("r"),
+                "path": record.get("p"),
+                "req_id": record.get("req"),
+                "batch_keys": record.get("n"),
+                "residency_s": residency[index] if index < len(residency) else None,
+            }
+
+
+def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> None:
+    """Failure reports from a running sidecar's /api/v1/failures."""
+    endpoint = url.rstrip("/") + "/api/v1/failures?limit=1000"
+    if not endpoint.startswith(("http://", "https://")):
+        raise ExplainError(f"--sidecar {url}: expected an http:// or https:// URL")
+    try:
+        with urllib.request.urlopen(endpoint, timeout=10) as response:
+            body = response.read(64 * MAX_REPORT_BYTES)
+        reports = json.loads(body)["failures"]
+    except (OSError, urllib.error.URLError) as exc:
+        raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExplainError(f"--sidecar {url}: {endpoint} did not answer with kvobs failure reports") from exc
+    for report in reports if isinstance(reports, list) else []:
+        if isinstance(report, dict):
+            for entry in entries:
+                if _report_matches(report, entry) and report not in entry.reports:
+                    entry.reports.append(report)
+
+
+# -- saying it ---------------------------------------------------------------------------------
+
+
+def _utc(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _key_line(entry: LoggedAssertion) -> str:
+    key = entry.key
+    if key is None:
+        return f"key: {entry.key_text[:80]} (not a bytes key; shown as logged)"
+    if len(key) < 5:
+        return f"key: {key!r} ({len(key)} bytes, too short to hold a KV-cache group)"
+    decoded = decode_key(key)
+    if decoded.group >= MAX_PLAUSIBLE_GROUP:  # a bare block hash, as older vLLM versions keyed blocks
+        return f"key: block hash {key[:8].hex()}… ({len(key)} bytes), no KV-cache group suffix"
+    group = f"KV-cache group {decoded.group}"
+    return f"key: block hash {decoded.hash_prefix}… ({len(decoded.block_hash)} bytes), {group}"
+
+
+def _wording_line(entry: LoggedAssertion) -> str:
+    era = "vLLM <= 0.28" if entry.noun == "Block" else "vLLM >= 0.29"
+    if entry.state == "not_ready":
+        return (f"wording: '{entry.noun} ... is not ready for reading' ({era}): the chunk is in the CPU tier but its "
+                "store has not completed (cause store_in_flight: a load was prepared before the store finished)")
+    return (f"wording: '{entry.noun} ... not found in cache' ({era}): the chunk was not in the CPU tier when "
+            "prepare_load() pinned it")
+
+
+def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source: str) -> str:
+    """The human-readable explanation of every assertion found."""
+    if not entries:
+        return (f"no offload assertion found in {source} (looked for 'Block|Chunk <key> not found in cache' and "
+                "'... is not ready for reading')\n")
+    out: list[str] = [f"{len(entries)} offload assertion{'s' * (len(entries) > 1)} in {source}"]
+    for number, entry in enumerate(entries, start=1):
+        where = [f"line {entry.line}"]
+        if entry.engine:
+            where.append(f"engine {entry.engine}")
+        if entry.log_time:
+            where.append(f"logged {entry.log_time}")
+        if entry.occurrences > 1:
+            where.append(f"{entry.occurrences} times")
+        out.append(f"\n[{number}] {', '.join(where)}")
+        out.append(f"  vLLM said: {entry.vllm_text[:300]}")
+        out.append(f"  {_key_line(entry)}")
+        out.append(f"  {_wording_line(entry)}")
+        if entry.kvobs_cause:
+            req = f", req_id {entry.kvobs_req_id!r}" if entry.kvobs_req_id else ""
+            out.append(f"  kvobs (in the log): cause {entry.kvobs_cause}{req}: {MEANING[entry.kvobs_cause]}")
+            out.append(f"    evidence: {entry.kvobs_evidence}")
+        for report in entry.reports[:REMOVALS_SHOWN]:
+            cause = report.get("cause")
+            out.append(f"  kvobs failure report {report.get('id', '?')} (engine {report.get('engine')}, "
+                       f"{_utc(float(report.get('time', 0)))}): cause {cause}: {MEANING.get(str(cause), '?')}")
+            for missing in (report.get("missing") or [])[:4]:
+                if isinstance(missing, dict):
+                    out.append(f"    key {missing.get('key')} end_token {missing.get('end_token')}: "
+                               f"{missing.get('cause')} ({missing.get('evidence')})")
+        for removal in entry.removals:
+            residency = removal["residency_s"]
+            resident = "" if residency is None else f", resident {residency:.3f}s"
+            out.append(f"  removed {_utc(removal['time'])} on {removal['engine']}: {removal['reason']}, "
+                       f"path={removal['path']}, req_id={removal['req_id']!r}{resident}")
+        if have_data and not entry.reports and not entry.removals:
+            out.append("  kvobs data: no record of this key (older than the journals kept, listed beyond the first "
+                       "256 keys of a batch, or kvobs was not running on that engine)")
+        if not have_data and not entry.kvobs_cause:
+            if entry.state == "not_ready":
+                out.append("  This log alone names the cause: store_in_flight.")
+            else:
+                out.append("  This log alone cannot tell a coverage mismatch (the lookup never reported the chunk) "
+                           "from an eviction after the lookup.")
+    if dropped:
+        out.append(f"\n{dropped} more distinct assertions not shown (at most {MAX_ASSERTIONS})")
+    if not have_data and not any(e.kvobs_cause for e in entries):
+        out.append(f"\n{ENABLE_HINT}")
+    return "\n".join(out) + "\n"
+
+
+def as_json(entries: Iterable[LoggedAssertion]) -> list[dict[str, Any]]:
+    """Machine-readable form (``kvobs explain --json``)."""
+    return [
+        {
+            "line": e.line,
+            "occurrences": e.occurrences,
+            "engine": e.engine,
+            "log_time": e.log_time,
+            "wording": e.noun,
+            "state": e.state,
+            "vllm_message": e.vllm_text,
+            "key": e.key_ref,
+            "kvobs_cause": e.kvobs_cause,
+            "kvobs_req_id": e.kvobs_req_id,
+            "reports": [r.get("id") for r in e.reports],
+            "report_causes": [r.get("cause") for r in e.reports],
+            "removals": e.removals,
+        }
+        for e in entries
+    ]

@@ -1,0 +1,51 @@
+"""Write the log vLLM 0.33.0 itself prints when an EngineCore dies on a failed offload load.
+
+Real parts: the manager (bare CPUOffloadingManager, or kvobs through the plugin), the
+AssertionError it raises, vLLM's logging configuration and process-name decoration, and the
+``logger.exception`` call EngineCore's busy loop makes (vllm/v1/engine/core.py). Output: stdout.
+
+Usage: python crash_log.py bare|kvobs missing|not_ready DP [KVOBS_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging, init_logger
+from vllm.utils.system_utils import decorate_logs
+from vllm.v1.kv_offload.base import ReqContext
+from vllm_env import cpu_extra, create_manager, key, observed_extra
+
+
+def main() -> None:
+    mode, state, dp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    extra = cpu_extra(2)
+    if mode == "kvobs":
+        extra = observed_extra(extra, dir=sys.argv[4], engine=f"dp{dp}")
+    manager = create_manager(extra)
+    configure_logging(LoggingConfig())  # as EngineCore.run_engine_core does
+    decorate_logs(f"EngineCore_DP{dp}")
+    logger = init_logger("vllm.v1.engine.core")
+    writer, victim = ReqContext("req-writer"), ReqContext("req-victim")
+    for context in (writer, victim):
+        manager.on_new_request(context)
+    victim.set_offload_key_position(key(1), 48)
+    manager.prepare_store([key(1), key(2)], writer)
+    if state == "missing":
+        manager.complete_store([key(1), key(2)], writer)
+        assert manager.lookup(key(1), victim).name == "HIT"
+        manager.prepare_store([key(3), key(4)], writer)  # evicts key(1) after the victim's lookup
+        manager.complete_store([key(3), key(4)], writer)
+    try:
+        manager.prepare_load([key(1)], victim)
+    except AssertionError:
+        logger.exception("EngineCore encountered a fatal error.")
+    manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""`kvobs explain` on the log vLLM 0.33.0 itself writes when an EngineCore dies on a failed load.
+
+The logs come from ``crash_log.py``: a real manager raising the real assertion, logged by
+vLLM's own logging setup. The ``Block ...`` wording of vLLM <= 0.28 is not runnable here; its
+lines are the same real lines with the noun vLLM used then (the format string was otherwise
+identical: ``f"Block {block_hash!r} not found in cache"``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from services import ROOT, Sidecar, free_port
+
+HERE = Path(__file__).parent
+
+
+def crash_log(path: Path, mode: str, state: str, dp: int, directory: Path | None = None) -> Path:
+    args = [sys.executable, str(HERE / "crash_log.py"), mode, state, str(dp)]
+    if directory is not None:
+        args.append(str(directory))
+    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "AssertionError: Chunk b'" in run.stdout, run.stdout[-2000:]
+    path.write_text(run.stdout)
+    return path
+
+
+def explain(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvobs.cli", "explain", *args], cwd=ROOT, input=
+                          None if stdin is None else stdin.decode("latin-1"), capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("logs")
+    kvobs_dir = base / "kvobs"
+    return {
+        "bare": crash_log(base / "bare.log", "bare", "missing", 1),
+        "not_ready": crash_log(base / "not_ready.log", "bare", "not_ready", 0),
+        "kvobs": crash_log(base / "kvobs.log", "kvobs", "missing", 0, kvobs_dir),
+        "dir": kvobs_dir,
+    }
+
+
+def test_chunk_wording_without_kvobs_data_says_what_the_log_tells(logs: dict[str, Path]) -> None:
+    run = explain(str(logs["bare"]))
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    # One assertion, although the traceback also shows the assert statement's source line.
+    assert out.startswith(f"1 offload assertion in {logs['bare']}\n")
+    assert "engine dp1" in out and "Chunk b'\\x00" in out
+    assert "key: block hash 0000000000000000… (32 bytes), KV-cache group 0" in out
+    assert "(vLLM >= 0.29): the chunk was not in the CPU tier" in out
+    assert "cannot tell a coverage mismatch" in out
+    assert '"spec_name":"ObservedOffloadingSpec","spec_module_path":"kvobs.vllm"' in out  # what to enable
+
+
+def test_not_ready_wording_names_store_in_flight(logs: dict[str, Path]) -> None:
+    run = explain(str(logs["not_ready"]))
+    assert run.returncode == 0, run.stderr
+    assert "is not ready for reading' (vLLM >= 0.29)" in run.stdout and "engine dp0" in run.stdout
+    assert "This log alone names the cause: store_in_flight." in run.stdout
+
+
+def test_block_wording_of_older_vllm(logs: dict[str, Path], tmp_path: Path) -> None:
+    old = tmp_path / "old.log"
+    old.write_text(logs["bare"].read_text().replace("AssertionError: Chunk b'", "AssertionError: Block b'")
+                   .replace("EngineCore_DP1", "EngineCore_0"))
+    run = explain(str(old))
+    assert run.returncode == 0, run.stderr
+    assert "'Block ... not found in cache' (vLLM <= 0.28)" in run.stdout and "engine dp0" in run.stdout
+
+
+def test_kvobs_message_in_the_log_and_its_directory(logs: dict[str, Path]) -> None:
+    run = explain(str(logs["kvobs"]), "--dir", str(logs["dir"]))
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "kvobs (in the log): cause evicted_after_lookup, req_id 'req-victim'" in out
+    assert "evidence: lookup reported HIT" in out
+    assert "kvobs failure report" in out and "(engine dp0, " in out
+    assert "key 0000000000000000/0 end_token 48: evicted_after_lookup" in out
+    assert "on dp0: capacity, path=store, req_id='req-writer', resident" in out  # the journaled removal
+
+
+def test_bare_log_matched_to_kvobs_data_by_key(logs: dict[str, Path]) -> None:
+    """A log without kvobs's message (e.g. from before kvobs was enabled) still finds its records."""
+    run = explain(str(logs["bare"]), "--dir", str(logs["dir"]), "--json")
+    assert run.returncode == 0, run.stderr
+    [result] = json.loads(run.stdout)
+    [entry] = result["assertions"]
+    assert entry["key"] == "0000000000000000/0" and entry["kvobs_cause"] is None
+    assert entry["report_causes"] == ["evicted_after_lookup"]
+    assert [(r["reason"], r["path"], r["req_id"]) for r in entry["removals"]] == [("capacity", "store", "req-writer")]
+
+
+def test_sidecar_url_serves_the_failure_report(logs: dict[str, Path]) -> None:
+    sidecar = Sidecar(logs["dir"]).start()
+    try:
+        run = explain(str(logs["bare"]), "--sidecar", sidecar.url)
+    finally:
+        sidecar.stop()
+    assert run.returncode == 0, run.stderr
+    assert "kvobs failure report" in run.stdout and "cause evicted_after_lookup" in run.stdout
+
+
+def test_standard_input_and_no_assertion(logs: dict[str, Path]) -> None:
+    run = explain("-", stdin=logs["bare"].read_bytes())
+    assert run.returncode == 0 and "1 offload assertion in standard input" in run.stdout
+    run = explain("-", stdin=b"INFO all good\n\x00\xff\xfe binary junk \x1b[31m\n")
+    assert run.returncode == 1 and "no offload assertion found in standard input" in run.stdout
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/nonexistent/vllm.log"], "kvobs explain: cannot read /nonexistent/vllm.log: No such file or directory"),
+        (["--dir", "/nonexistent/kvobs"], "--dir /nonexistent/kvobs: not a directory"),
+        (["--sidecar", "ftp://x"], "--sidecar ftp://x: expected an http:// or https:// URL"),
+        (["--sidecar", "http://127.0.0.1:{port}"], "cannot read http://127.0.0.1:"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(logs: dict[str, Path], args: list[str], message: str) -> None:
+    args = [a.format(port=free_port()) for a in args]
+    if args[0].startswith("--"):
+        args.append(str(logs["bare"]))
+    run = explain(*args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

@@ -1,0 +1,61 @@
+"""kvobs.explain's log reading, without vLLM: wordings, dedup, kvobs's suffix, arbitrary bytes."""
+
+from __future__ import annotations
+
+import io
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvobs.explain import MAX_LINE_BYTES, find_assertions, render
+
+KEY = b"\x07" * 32 + (3).to_bytes(4, "big")
+LINE = f"(EngineCore_DP2 pid=7) ERROR 11-29 10:00:00 [core.py:1] AssertionError: Chunk {KEY!r} not found in cache"
+
+
+def _find(text: bytes) -> list:
+    entries, _ = find_assertions(io.BytesIO(text))
+    return entries
+
+
+def test_decodes_key_engine_and_time() -> None:
+    [entry] = _find(LINE.encode() + b"\n")
+    assert (entry.key, entry.engine, entry.log_time, entry.state) == (KEY, "dp2", "11-29 10:00:00", "missing")
+    assert entry.key_ref == "0707070707070707/3" and entry.vllm_text == f"Chunk {KEY!r} not found in cache"
+
+
+def test_repeats_are_one_assertion_and_source_lines_are_not_assertions() -> None:
+    text = (LINE + "\n" + '    assert chunk is not None, f"Chunk {key!r} not found in cache"\n' + LINE + "\n").encode()
+    [entry] = _find(text)
+    assert entry.occurrences == 2
+
+
+def test_reads_kvobs_suffix() -> None:
+    line = (LINE + " (group=3, req_id='req-\\'x'). 1 of 2 keys in this load are missing. ... cause: "
+            "coverage_mismatch (this request's lookups never reported the chunk; last removed 1.0s ago (capacity))")
+    [entry] = _find(line.encode())
+    assert (entry.kvobs_group, entry.kvobs_req_id, entry.kvobs_cause) == (3, "req-'x", "coverage_mismatch")
+    assert entry.kvobs_evidence is not None and entry.kvobs_evidence.endswith("(capacity)")
+
+
+def test_ansi_colours_and_older_process_names() -> None:
+    line = b"\x1b[1;36m(EngineCore_0 pid=271)\x1b[0;0m ERROR 09-21 17:33:21 [core.py:714] AssertionError: Block 1234 " \
+           b"is not ready for reading\n"
+    [entry] = _find(line)
+    assert (entry.noun, entry.key, entry.key_text, entry.engine, entry.state) == ("Block", None, "1234", "dp0",
+                                                                                  "not_ready")
+    assert "not a bytes key" in render([entry], 0, False, "x")
+
+
+def test_an_over_long_line_is_cut_not_loaded_whole() -> None:
+    text = b"x" * (3 * MAX_LINE_BYTES) + b"\n" + LINE.encode() + b"\n"
+    [entry] = _find(text)
+    assert entry.line == 2
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.binary(max_size=2000), st.binary(max_size=200))
+def test_arbitrary_bytes_never_raise(prefix: bytes, suffix: bytes) -> None:
+    for text in (prefix, prefix + b"Chunk b'" + suffix + b"' not found in cache" + suffix, prefix + LINE.encode()):
+        entries, dropped = find_assertions(io.BytesIO(text))
+        assert isinstance(render(entries, dropped, False, "fuzz"), str)
