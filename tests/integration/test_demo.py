@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,15 +11,17 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from services import ROOT, free_port, http_get
+from services import ROOT, OtlpReceiver, free_port, http_get
 
 
-def _run_demo(tmp_path: Path, *args: str, keep_serving: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _run_demo(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     directory = tmp_path / "kvobs"
     run = subprocess.run(
         [sys.executable, "-m", "kvobs.cli", "demo", "--requests", "150", "--dir", str(directory),
          "--port", str(free_port()), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )
     return run, directory
 
@@ -33,9 +36,14 @@ def _counter_sums(metrics_text: str) -> dict[str, float]:
 
 
 def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Path) -> None:
-    run, directory = _run_demo(tmp_path)
+    receiver = OtlpReceiver()
+    try:
+        run, directory = _run_demo(tmp_path, env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint})
+    finally:
+        receiver.stop()
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
+    assert f"traces:   OTLP to {receiver.endpoint}" in out
     # Both engines ran through the connector scheduler with their declared shapes.
     assert "[dp0] CPUOffloadingSpec, hybrid model (2 full-attention groups + 1 sliding-window)" in out
     assert "[dp1] TieringOffloadingSpec, hybrid model (1 full-attention group + 1 sliding-window)" in out
@@ -59,6 +67,9 @@ def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Pat
     assert len(reports) == failures >= 2
     assert {"coverage_mismatch", "evicted_after_lookup"} <= {r["cause"] for r in reports}
     assert {r["engine"] for r in reports} == {"dp0", "dp1"}
+    # One span per failed load reached the OTLP endpoint, each before its exception left kvobs.
+    spans = receiver.spans()
+    assert len(spans) == failures and {s.name for s in spans} == {"kv_offload.prepare_load"}
 
 
 def test_demo_without_tiering_runs_only_the_cpu_engine(tmp_path: Path) -> None:
