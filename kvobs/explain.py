@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvobs.diagnosis import CAUSES
-from kvobs.journal import MAX_REPORT_BYTES, JournalPosition, read_new_records, read_report
+from kvobs.journal import MAX_REPORT_BYTES, read_report
 from kvobs.keys import decode_key
 
 MAX_LINE_BYTES = 1 << 20
@@ -235,23 +235,30 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
 
 
 def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, Any]]:
-    """Batch records naming one of ``refs`` (keys beyond the 256 listed per batch are not named)."""
+    """Batch records naming one of ``refs`` (keys beyond the 256 listed per batch are not named).
+
+    Lines are filtered on the raw bytes first: only lines naming a wanted key are parsed.
+    """
     if not journal_dir.is_dir():
         return
     budget = MAX_JOURNAL_BYTES
+    needles = [f'"{ref}"'.encode() for ref in refs]
     for path in sorted(journal_dir.glob("*.jsonl")):
-        position = JournalPosition()
-        while budget > 0:
-            before = position.offset
-            try:
-                records = list(read_new_records(path, position))
-            except OSError:
-                break
-            if position.offset == before:
-                break
-            budget -= position.offset - before
-            for record in records:
-                yield from _removals_in(record, refs)
+        try:
+            with open(path, "rb") as journal:
+                for raw in journal:
+                    budget -= len(raw)
+                    if budget < 0:
+                        return
+                    if b'"k":"batch"' not in raw or not any(needle in raw for needle in needles):
+                        continue
+                    try:
+                        record = json.loads(raw)
+                    except ValueError:
+                        continue
+                    yield from _removals_in(record if isinstance(record, dict) else None, refs)
+        except OSError:
+            continue
 
 
 def _removals_in(record: dict[str, Any] | None, refs: set[str]) -> Iterator[dict[str, Any]]:
