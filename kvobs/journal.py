@@ -195,7 +195,10 @@ class JournalSink(Sink):
             self._enqueue(("failure", name, report["cause"]))
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.observer.internal_error("report", fault)
-        self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
+        try:
+            self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
+        except Exception as fault:
+            self.observer.internal_error("journal", fault)
 
     # -- writer ------------------------------------------------------------------------
 
