@@ -58,6 +58,11 @@ def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Op
                 raise OptionError(f"{source} {name!r} must be in [{low}, {high}], got {value}")
         elif name in _STRINGS and value is not None and (not isinstance(value, str) or not value):
             raise OptionError(f"{source} {name!r} must be a non-empty string, got {value!r}")
+        elif name == "tracer_provider" and value is not None and not callable(getattr(value, "get_tracer", None)):
+            # Else a JSON string here would only surface at the first failed load, as a kvobs fault.
+            raise OptionError(
+                f"{source} {name!r} must be an OpenTelemetry TracerProvider (has get_tracer()), got {value!r:.80}"
+            )
         values[name] = value
     if values.get("dir") is None:
         values["dir"] = os.environ.get("KVOBS_DIR") or None
