@@ -119,6 +119,9 @@ def run(manager: OffloadingManager, peer: Any) -> dict[str, Any]:
     if worker.is_alive():
         faulthandler.dump_traceback(file=sys.stderr)
         pytest.fail(f"deadlock: the scheduler thread did not finish within {DEADLOCK_TIMEOUT_S}s")
+    # Quiesce: the peer stops asking, so the poll thread stops evicting once any round in
+    # progress (which holds the lock) is over; counts compared after this are final.
+    peer.wanted = []
     with manager.lock:
         for event in manager.take_events():
             if event.removed and not event.metadata_only:

@@ -62,6 +62,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "cpu-lru+sinks": cpu_extra(4, _events=True),
 }
 
+# Exporter threads left retrying by the tracing fault tests (the OTLP exporter's backoff jitter
+# uses the global `random`) make hypothesis warn that strategies used `random`; they do not.
+pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+
 PROPERTY = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,
