@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvobs.diagnosis import CAUSES, Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import PATHS, REASONS, EvictionHistory, HistoryStats, Removal
@@ -39,13 +39,19 @@ STAGES: tuple[str, ...] = (
 
 STATS_EVERY_S = 1.0
 
+_new_verdict = tuple.__new__  # Verdict(...) without its Python-level __new__ (one per lookup hit)
+monotonic = time.monotonic
+
 REASON_CODE = {name: code for code, name in enumerate(REASONS)}
 PATH_CODE = {name: code for code, name in enumerate(PATHS)}
 
 
-@dataclass(frozen=True, slots=True)
-class RemovalBatch:
-    """One removal batch as handed to sinks (keys are the vLLM offload keys)."""
+class RemovalBatch(NamedTuple):
+    """One removal batch as handed to sinks (keys are the vLLM offload keys).
+
+    A named tuple (immutable, and built in a fraction of a frozen dataclass's time:
+    one is made per eviction batch on the scheduler thread).
+    """
 
     serial: int
     time: float
@@ -92,6 +98,8 @@ class Observer:
         self.last_diagnosis: Diagnosis | None = None
         self.history_stats: HistoryStats = self.history.stats()
         self._next_stats_at = 0.0
+        self._sinks_seen: list[Sink] = []
+        self._receivers: list[Sink] = []
 
     # -- recording -------------------------------------------------------
 
@@ -104,17 +112,23 @@ class Observer:
         residency_s: Sequence[float] | None = None,
         now: float | None = None,
     ) -> None:
-        """Record one removal batch from the CPU tier."""
-        now = time.monotonic() if now is None else now
+        """Record one removal batch from the CPU tier (on the scheduler thread: kept lean)."""
+        if now is None:
+            now = time.monotonic()
         serial = self.history.record(keys, REASON_CODE[reason], PATH_CODE[path], req_id, now)
         self.evicted[reason] += len(keys)
         self.batches[reason] += 1
         # A reset whose keys could not be listed still drops every watched chunk.
         verdicts = self.verdicts
         broken = verdicts.removed_all(reason) if reason == "reset" and not keys else verdicts.removed(keys, reason)
-        if self.sinks:
+        receivers = self._removal_receivers()
+        if receivers:
             batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, broken)
-            self._each_sink("sink", lambda s: s.on_removal(batch))
+            for sink in receivers:
+                try:
+                    sink.on_removal(batch)
+                except Exception as exc:  # a sink must never break vLLM
+                    self.internal_error("sink", exc)
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
             self.history_stats = self.history.stats()
@@ -134,9 +148,28 @@ class Observer:
     def _publish_near_misses(self, misses: Sequence[NearMiss], reason: str) -> None:
         self._each_sink("sink", lambda s: s.on_near_miss(misses, reason))
 
+    def _removal_receivers(self) -> list[Sink]:
+        """The sinks with an ``on_removal`` of their own (re-read whenever ``sinks`` changes).
+
+        A batch is built only when some sink wants it: the tracing sink, always
+        present, does not.
+        """
+        sinks = self.sinks
+        if sinks != self._sinks_seen:
+            self._sinks_seen = list(sinks)
+            self._receivers = [
+                s for s in sinks
+                if type(s).on_removal is not Sink.on_removal or "on_removal" in getattr(s, "__dict__", ())
+            ]
+        return self._receivers
+
     def reported(self, req_id: str, key: bytes, pending: bool) -> None:
         """A lookup by ``req_id`` answered HIT (or HIT_PENDING) for ``key``."""
-        self.verdicts.reported(req_id, key, Verdict(self.history.next_serial, time.monotonic(), pending))
+        self.verdicts.reported(req_id, key, _new_verdict(Verdict, (self.history.next_serial, monotonic(), pending)))
+
+    def not_reported(self, req_id: str, key: bytes) -> None:
+        """A later lookup by ``req_id`` answered MISS/RETRY for ``key``."""
+        self.verdicts.not_reported(req_id, key)
 
     # -- diagnosis -------------------------------------------------------
 

@@ -103,8 +103,13 @@ class LookupVerdicts:
             return
         state.watching = False
         state.broken.clear()
-        for key in state.verdicts:
-            self._unwatch(req_id, key)
+        watched = self._watched
+        for key in state.verdicts:  # _unwatch, inlined: this runs for every hit of every request
+            watchers = watched.get(key)
+            if watchers is not None:
+                watchers.discard(req_id)
+                if not watchers:
+                    del watched[key]
 
     def loaded(self, req_id: str, keys: Iterable[bytes]) -> list[NearMiss]:
         """The request's load asked for ``keys``: the broken promises among them, then stop watching."""

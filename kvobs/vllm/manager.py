@@ -9,9 +9,10 @@ vLLM's own AssertionError, same object, with the explanation appended.
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
+from threading import get_ident
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -32,11 +33,30 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
 from kvobs.observer import Observer
+from kvobs.verdicts import Verdict
 from kvobs.vllm.policy_hook import PolicyHook, on_poll_thread
 from kvobs.vllm.trace_context import TraceHeaders
 
+_new_verdict = tuple.__new__
+monotonic = time.monotonic
+
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
+
+
+class _Frame:
+    """Which wrapped call is on the stack, for whom and on which thread (read by the policy hook).
+
+    A slotted object set in place: the wrapper pays three slot writes per call, not
+    attribute writes through its own ``__setattr__``.
+    """
+
+    __slots__ = ("path", "req", "thread")
+
+    def __init__(self) -> None:
+        self.path = "unobserved"
+        self.req: ReqContext | None = None
+        self.thread = 0
 
 
 def cpu_tier_of(manager: OffloadingManager) -> CPUOffloadingManager | None:
@@ -55,9 +75,7 @@ class ObservedOffloadingManager(OffloadingManager):
         object.__setattr__(self, "_kvobs_inner", inner)
         object.__setattr__(self, "_kvobs_observer", observer)
         # Which wrapped call is on the stack (read by the policy hook for `path`).
-        object.__setattr__(self, "_kvobs_path", "unobserved")
-        object.__setattr__(self, "_kvobs_path_req", None)
-        object.__setattr__(self, "_kvobs_path_thread", 0)
+        object.__setattr__(self, "_kvobs_frame", _Frame())
         cpu = cpu_tier_of(inner)
         object.__setattr__(self, "_kvobs_cpu", cpu)
         # A plain CPU manager's lookup() cannot remove; tiering's can (promotions).
@@ -96,18 +114,21 @@ class ObservedOffloadingManager(OffloadingManager):
         self, keys: Sequence[bytes], reason: str, residency: Sequence[float] | None, now: float
     ) -> None:
         try:
-            if threading.get_ident() == self._kvobs_path_thread:
-                path, req = self._kvobs_path, self._kvobs_path_req
+            frame = self._kvobs_frame
+            if get_ident() == frame.thread:
+                path, req = frame.path, (None if frame.req is None else frame.req.req_id)
             else:
                 path, req = ("poll_thread" if on_poll_thread() else "unobserved"), None
             self._kvobs_observer.removed(keys, reason, path, req, residency, now)
         except Exception as exc:
             self._kvobs_observer.internal_error("record.removal", exc)
 
-    def _kvobs_enter(self, path: str, req_context: ReqContext | None) -> None:
-        self._kvobs_path = path
-        self._kvobs_path_req = None if req_context is None else req_context.req_id
-        self._kvobs_path_thread = threading.get_ident()
+    def _kvobs_enter(self, path: str, req_context: ReqContext | None) -> _Frame:
+        frame = self._kvobs_frame
+        frame.path = path
+        frame.req = req_context
+        frame.thread = get_ident()
+        return frame
 
     # -- OffloadingManager ------------------------------------------------------
 
@@ -117,18 +138,20 @@ class ObservedOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext, **kwargs: Any) -> LookupResult:
         if self._kvobs_lookup_removes:
-            self._kvobs_enter("lookup", req_context)
+            frame = self._kvobs_enter("lookup", req_context)
             try:
                 result = self._kvobs_inner.lookup(key, req_context, **kwargs)
             finally:
-                self._kvobs_path_thread = 0
+                frame.thread = 0
         else:
             result = self._kvobs_inner.lookup(key, req_context, **kwargs)
         try:
-            if result is _HIT or result is _HIT_PENDING:
-                self._kvobs_observer.reported(req_context.req_id, key, result is _HIT_PENDING)
+            observer = self._kvobs_observer
+            if result is _HIT or result is _HIT_PENDING:  # Observer.reported, inlined (every lookup hit)
+                verdict = _new_verdict(Verdict, (observer.history.next_serial, monotonic(), result is _HIT_PENDING))
+                observer.verdicts.reported(req_context.req_id, key, verdict)
             else:
-                self._kvobs_observer.verdicts.not_reported(req_context.req_id, key)
+                observer.verdicts.not_reported(req_context.req_id, key)
         except Exception as exc:
             self._kvobs_observer.internal_error("record.lookup", exc)
         return result
@@ -159,30 +182,30 @@ class ObservedOffloadingManager(OffloadingManager):
         return self._kvobs_inner.complete_load(keys, req_context)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        self._kvobs_enter("store", req_context)
+        frame = self._kvobs_enter("store", req_context)
         try:
             return self._kvobs_inner.prepare_store(keys, req_context)
         finally:
-            self._kvobs_path_thread = 0
+            frame.thread = 0
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> Any:
-        self._kvobs_enter("complete_store", req_context)
+        frame = self._kvobs_enter("complete_store", req_context)
         try:
             return self._kvobs_inner.complete_store(keys, req_context, success)
         finally:
-            self._kvobs_path_thread = 0
+            frame.thread = 0
 
     def on_new_request(self, req_context: ReqContext, **kwargs: Any) -> RequestOffloadingContext:
         return self._kvobs_inner.on_new_request(req_context, **kwargs)
 
     def on_request_finished(self, req_context: ReqContext, **kwargs: Any) -> None:
-        self._kvobs_enter("schedule_end", req_context)
+        frame = self._kvobs_enter("schedule_end", req_context)
         try:
             self._kvobs_inner.on_request_finished(req_context, **kwargs)
         finally:
-            self._kvobs_path_thread = 0
+            frame.thread = 0
         try:
             self._kvobs_observer.verdicts.finished(req_context.req_id)
         except Exception as exc:
@@ -192,11 +215,11 @@ class ObservedOffloadingManager(OffloadingManager):
         return self._kvobs_inner.take_events()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._kvobs_enter("schedule_end", None)
+        frame = self._kvobs_enter("schedule_end", None)
         try:
             self._kvobs_inner.on_schedule_end(context)
         finally:
-            self._kvobs_path_thread = 0
+            frame.thread = 0
         try:
             verdicts = self._kvobs_observer.verdicts
             for req_id in context.new_req_ids:  # scheduled this step: their loads are prepared
@@ -208,11 +231,11 @@ class ObservedOffloadingManager(OffloadingManager):
         return self._kvobs_inner.has_pending_work()
 
     def reset_cache(self) -> None:
-        self._kvobs_enter("reset", None)
+        frame = self._kvobs_enter("reset", None)
         try:
             self._kvobs_inner.reset_cache()
         finally:
-            self._kvobs_path_thread = 0
+            frame.thread = 0
 
     def on_reset_flushed(self) -> None:
         self._kvobs_inner.on_reset_flushed()

@@ -25,6 +25,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+monotonic = time.monotonic
+
 RemovalCallback = Callable[[Sequence[bytes], str, Sequence[float] | None, float], None]
 """(keys, reason, residency seconds or None, monotonic time) -> None; must not raise."""
 
@@ -63,11 +65,11 @@ class PolicyHook:
         def hooked_evict(n: int, protected: set[OffloadKey]) -> Any:
             evicted = evict(n, protected)
             if evicted:
-                now = time.monotonic()
+                now = monotonic()
                 try:
                     keys = [key for key, _ in evicted]
-                    residency = _ages(now, stamps, (chunk for _, chunk in evicted))
-                    report(keys, "capacity", residency, now)
+                    slots = [stamps[chunk.chunk_id] for _, chunk in evicted]
+                    report(keys, "capacity", [now - stamp for stamp in slots if stamp], now)
                 except Exception:
                     pass
             return evicted
@@ -98,7 +100,7 @@ class PolicyHook:
 
         def stamped_allocate(keys: list[OffloadKey]) -> Any:
             chunks = allocate(keys)
-            now = time.monotonic()
+            now = monotonic()
             for chunk in chunks:
                 stamps[chunk.chunk_id] = now
             return chunks
