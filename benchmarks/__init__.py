@@ -1,0 +1,1 @@
+"""kvobs benchmarks: each compares kvobs against its baseline in the same run (see docs/performance.md)."""
