@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.kvobs-installed
 
-.PHONY: venv prometheus tools test lint typecheck demo clean
+.PHONY: venv prometheus tools test lint typecheck demo bench clean
 
 venv: $(STAMP)
 
@@ -39,7 +39,7 @@ tools: prometheus
 	@docker-compose version 2>&1 | head -1
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvobs tests
+	$(VENV)/bin/ruff check kvobs tests benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -49,6 +49,12 @@ test: $(STAMP) tools lint typecheck
 
 demo: $(STAMP)
 	$(VENV)/bin/kvobs demo
+
+# kvobs against its baselines (overhead, history, sidecar); a few minutes; results also in bench-results/.
+bench: $(STAMP)
+	$(PY) -m benchmarks.overhead --json bench-results/overhead.json
+	$(PY) -m benchmarks.history --json bench-results/history.json
+	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
