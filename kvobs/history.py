@@ -27,7 +27,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -100,9 +99,14 @@ class EvictionHistory:
         self._batch_req: list[str | None] = [None] * self.batch_capacity
         self._batches_folded = 0
         self._next_serial = 0
-        self._pending: list[tuple[Sequence[bytes], float, int, str | None]] = []
+        # Pending batches as flat lists of plain values (key hashes, not keys): recording
+        # creates no container that outlives the call, so it adds no work for the GC.
+        self._p_hashes: list[int] = []
+        self._p_counts: list[int] = []
+        self._p_times: list[float] = []
+        self._p_flags: list[int] = []
+        self._p_reqs: list[str | None] = []
         self._resets: deque[Removal] = deque(maxlen=KEEP_RESETS)
-        self._pending_keys = 0
 
     @property
     def next_serial(self) -> int:
@@ -121,25 +125,30 @@ class EvictionHistory:
         serial = self._next_serial
         self._next_serial = serial + 1
         now = time.monotonic() if now is None else now
-        self._pending.append((keys, now, reason | (path << 2), req_id))
+        hashes = self._p_hashes
+        hashes.extend(map(hash, keys))
+        self._p_counts.append(len(keys))
+        self._p_times.append(now)
+        self._p_flags.append(reason | (path << 2))
+        self._p_reqs.append(req_id)
         if reason == _RESET:
             self._resets.append(Removal(serial, now, REASONS[reason], PATHS[path], req_id))
-        self._pending_keys += len(keys)
-        if self._pending_keys >= _FLUSH_AT_KEYS:
+        if len(hashes) >= _FLUSH_AT_KEYS:
             self._fold()
         return serial
 
     def _fold(self) -> None:
         """Move pending batches into the rings with a few vectorised writes."""
-        pending, self._pending = self._pending, []
-        self._pending_keys = 0
-        if not pending:
+        if not self._p_counts:
             return
-        n = len(pending)
+        hashes, counts_list, times, flags, reqs = (
+            self._p_hashes, self._p_counts, self._p_times, self._p_flags, self._p_reqs
+        )
+        self._p_hashes, self._p_counts, self._p_times, self._p_flags, self._p_reqs = [], [], [], [], []
+        n = len(counts_list)
         first_serial = self._batches_folded
         bcap = self.batch_capacity
-        batch_keys, times, flags, reqs = zip(*pending, strict=True)
-        counts = np.fromiter(map(len, batch_keys), dtype=np.int64, count=n)
+        counts = np.array(counts_list, dtype=np.int64)
         start = first_serial % bcap
         if n > bcap:  # only the newest bcap batches keep their details
             skip = n - bcap
@@ -156,9 +165,9 @@ class EvictionHistory:
             self._batch_req[: kept - head] = reqs[head:]
         self._batches_folded += n
 
-        total = int(counts.sum())
+        total = len(hashes)
         if total:
-            fps = fingerprints(chain.from_iterable(batch_keys), total)
+            fps = np.array(hashes, dtype=np.int64).astype(np.uint32)
             serials = np.arange(first_serial, first_serial + n, dtype=np.int64).astype(np.uint32)
             key_serials = np.repeat(serials, counts)
             if total > self.capacity:
