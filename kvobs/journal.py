@@ -25,7 +25,7 @@ import json
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +92,13 @@ def key_ref(key: bytes) -> str:
     """A key as journaled: the first 8 bytes of its block hash in hex, then its group."""
     decoded = decode_key(key)
     return f"{decoded.hash_prefix}/{decoded.group}"
+
+
+def _key_ref(key: bytes) -> str:
+    """``key_ref`` without building a DecodedKey, for keys with at least 8 hash bytes (the writer's loop)."""
+    if len(key) < 12:
+        return key_ref(key)
+    return f"{key[:8].hex()}/{int.from_bytes(key[-4:], 'big')}"
 
 
 def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_time: float) -> dict[str, Any]:
@@ -278,10 +285,8 @@ class JournalSink(Sink):
         base: dict[str, Any] = {"k": kind, "e": self.engine, "pid": os.getpid()}
         if kind == "batch":
             batch: RemovalBatch = record[1]
-            groups: dict[int, int] = {}
-            for key in batch.keys:
-                group = key_group(key)
-                groups[group] = groups.get(group, 0) + 1
+            # Counted by the 4-byte group suffix in C, decoded once per group (same order as before).
+            groups = {key_group(suffix): n for suffix, n in Counter(k[-4:] for k in batch.keys).items()}
             base.update(
                 t=batch.time + self._wall_offset,
                 s=batch.serial,
@@ -291,7 +296,7 @@ class JournalSink(Sink):
                 n=len(batch.keys),
                 g={str(g): n for g, n in groups.items()},
                 res=[round(a, 6) for a in batch.residency_s] if batch.residency_s else [],
-                keys=[key_ref(k) for k in batch.keys[:KEYS_PER_RECORD]],
+                keys=[_key_ref(k) for k in batch.keys[:KEYS_PER_RECORD]],
             )
         elif kind == "near_miss":
             base.update(t=time.time(), r=record[1], n=record[2])
