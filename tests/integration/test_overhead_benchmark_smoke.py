@@ -10,3 +10,10 @@ def test_overhead_benchmark_runs() -> None:
     for manager in ("cpu", "tiering"):
         assert results[manager]["calls"] > 500
         assert results[manager]["observed"]["thread_ratio"] > 0
+
+
+def test_overhead_through_the_connector_benchmark_runs() -> None:
+    from benchmarks import overhead_connector
+
+    results = overhead_connector.main(["--quick", "--managers", "cpu"])
+    assert results["cpu"]["requests"] > 0 and results["cpu"]["ratio"] > 0
