@@ -53,6 +53,7 @@ demo: $(STAMP)
 # kvobs against its baselines (overhead, history, sidecar); a few minutes; results also in bench-results/.
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --json bench-results/overhead.json
+	$(PY) -m benchmarks.overhead_connector --json bench-results/overhead_connector.json
 	$(PY) -m benchmarks.history --json bench-results/history.json
 	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json
 
