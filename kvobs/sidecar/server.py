@@ -1,13 +1,17 @@
 """The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures. Nothing changes state.
 
 Bounded: at most ``MAX_CONNECTIONS`` handled at once (more are closed at once),
-a socket timeout against slow clients, request lines and headers capped by
+a socket timeout against slow clients and a deadline for a whole request head
+(a client dribbling a byte at a time — slowloris — would otherwise hold a
+connection slot for as long as it likes), request lines and headers capped by
 ``http.server``, and at most ``MAX_FAILURES`` reports per response.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -26,6 +30,8 @@ from kvobs.sidecar.render import Unsupported, fast_encoder
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
+REQUEST_DEADLINE_S = 10.0
+"""From the start of waiting for a request to the end of its headers (idle keep-alive included)."""
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
 
@@ -49,6 +55,7 @@ def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
 
 class SidecarServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # listen backlog (socketserver's 5 drops SYNs under a burst: 1 s client retries)
 
     def __init__(self, address: tuple[str, int], ingest: Ingest) -> None:
         self.ingest = ingest
@@ -76,11 +83,44 @@ class SidecarServer(ThreadingHTTPServer):
             self.slots.release()
 
 
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that time out when the handler's current request deadline has passed."""
+
+    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+        self._sock = sock
+        self._handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._handler.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request head not received within the deadline")
+        self._sock.settimeout(min(remaining, SOCKET_TIMEOUT_S))
+        return self._sock.recv_into(buffer)
+
+
 class Handler(BaseHTTPRequestHandler):
     server: SidecarServer
     timeout = SOCKET_TIMEOUT_S
     protocol_version = "HTTP/1.1"
     server_version = "kvobs"
+    deadline = 0.0
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain makefile() reader: release its reference on the socket
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + REQUEST_DEADLINE_S
+        super().handle_one_request()  # a TimeoutError there closes the connection
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers, under the deadline
+        self.connection.settimeout(self.timeout)  # the response is written with the normal timeout
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: Prometheus scrapes often
         return
