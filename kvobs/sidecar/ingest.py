@@ -77,6 +77,7 @@ class Ingest:
                     for record in records:
                         state.apply(record)
                     state.positions[path.name] = offset
+                time.sleep(0)  # hand the GIL to a waiting scrape between slices
         with self.lock:
             self._read_reports()
             self.last_poll = time.time()
