@@ -158,6 +158,8 @@ def read_report(path: Path) -> dict[str, Any]:
 class JournalSink(Sink):
     """Writes an engine's records for the sidecar; see the module docstring."""
 
+    stage = "journal"
+
     def __init__(self, directory: str | os.PathLike[str], observer: Observer, vllm_version: str = "") -> None:
         self.root = private_dir(Path(directory))
         self.journal_dir = private_dir(self.root / "journal")

@@ -67,6 +67,9 @@ class RemovalBatch(NamedTuple):
 class Sink:
     """Receives what the observer records. Methods are no-ops; override what you need."""
 
+    stage: str = "sink"
+    """The ``stage`` label this sink's own faults are counted under (one of STAGES)."""
+
     def on_removal(self, batch: RemovalBatch) -> None:
         """A removal batch was recorded (called on the thread that removed)."""
 
@@ -128,7 +131,7 @@ class Observer:
                 try:
                     sink.on_removal(batch)
                 except Exception as exc:  # a sink must never break vLLM
-                    self.internal_error("sink", exc)
+                    self.internal_error(getattr(sink, "stage", "sink"), exc)
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
             self.history_stats = self.history.stats()
@@ -241,7 +244,7 @@ class Observer:
             try:
                 call(sink)
             except Exception as exc:  # a sink must never break vLLM
-                self.internal_error(stage, exc)
+                self.internal_error(getattr(sink, "stage", stage) if stage == "sink" else stage, exc)
 
     def close(self) -> None:
         self._each_sink("shutdown", lambda s: s.close())

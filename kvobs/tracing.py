@@ -97,6 +97,8 @@ class SpanExportTimeout(TimeoutError):
 class TracingSink(Sink):
     """Emits the failure span; see the module docstring."""
 
+    stage = "tracing"
+
     def __init__(self, tracer_provider: Any = None) -> None:
         self._given = tracer_provider
         self._from_env: Any = None
