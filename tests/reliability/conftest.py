@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +30,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("kvobs reliability figures")
         for line in found:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def kvobs_logger_enabled() -> Iterator[None]:
+    """The fault tests assert "logged once"; other code in the session may have disabled the logger."""
+    logger = logging.getLogger("kvobs")
+    saved = logger.disabled, logger.level
+    logger.disabled, logger.level = False, logging.NOTSET
+    yield
+    logger.disabled, logger.level = saved
