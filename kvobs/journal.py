@@ -46,6 +46,7 @@ SEGMENT_BYTES = 16 * 2**20
 KEEP_SEGMENTS = 4
 KEEP_REPORTS = 1_000
 MAX_REPORT_BYTES = 4 * 2**20
+RESIDENCIES_PER_RECORD = 16_384  # ages per batch line (~200 KB): a 1M-chunk reset is ~62 lines, not one of 10 MB
 KEYS_PER_RECORD = 256  # key prefixes listed per batch record (for `kvobs explain`)
 FAILURE_FLUSH_TIMEOUT_S = 2.0
 MAX_LINE_BYTES = 8 * 2**20  # far above any record kvobs writes (batch records list <= 256 keys)
@@ -281,6 +282,17 @@ class JournalSink(Sink):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 
+    @staticmethod
+    def _encode_large_batch(base: dict[str, Any], residency_s: Sequence[float]) -> str:
+        """A huge batch (a reset of a big CPU tier) as several lines, each far below the
+        sidecar's line limit: the first carries the batch, the others only more ages."""
+        lines = [json.dumps(base, separators=(",", ":"))]
+        rest = {**base, "n": 0, "g": {}, "keys": []}
+        for start in range(RESIDENCIES_PER_RECORD, len(residency_s), RESIDENCIES_PER_RECORD):
+            rest["res"] = [round(a, 6) for a in residency_s[start : start + RESIDENCIES_PER_RECORD]]
+            lines.append(json.dumps(rest, separators=(",", ":")))
+        return "\n".join(lines)
+
     def _encode(self, record: tuple[Any, ...]) -> str:
         kind = record[0]
         obs = self.observer
@@ -297,9 +309,11 @@ class JournalSink(Sink):
                 req=batch.req_id,
                 n=len(batch.keys),
                 g={str(g): n for g, n in groups.items()},
-                res=[round(a, 6) for a in batch.residency_s] if batch.residency_s else [],
+                res=[round(a, 6) for a in batch.residency_s[:RESIDENCIES_PER_RECORD]] if batch.residency_s else [],
                 keys=[_key_ref(k) for k in batch.keys[:KEYS_PER_RECORD]],
             )
+            if batch.residency_s and len(batch.residency_s) > RESIDENCIES_PER_RECORD:
+                return self._encode_large_batch(base, batch.residency_s)
         elif kind == "near_miss":
             base.update(t=time.time(), r=record[1], n=record[2])
         elif kind == "failure":

@@ -206,3 +206,41 @@ def test_failure_span_joins_the_requests_trace_when_the_connector_carried_it() -
         manager.prepare_load([key(2)], b)
     assert exporter.get_finished_spans()[1].parent is None
     manager.shutdown()
+
+
+def test_reset_of_a_large_cpu_tier_reaches_the_residency_histogram_whole(tmp_path: Path) -> None:
+    """One removal batch of 40,000 chunks is journaled as several bounded lines, and the sidecar
+    folds every age of it (a single line would exceed what the sidecar reads as one record)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvobs.journal import RESIDENCIES_PER_RECORD
+
+    chunks = 40_000
+    assert chunks > 2 * RESIDENCIES_PER_RECORD
+    manager = kvobs.observe(create_manager(cpu_extra(chunks)), dir=str(tmp_path), engine="dp0")
+    writer = ReqContext("writer")
+    manager.on_new_request(writer)
+    for start in range(0, chunks, 1000):
+        keys = [key(start + i) for i in range(1000)]
+        manager.prepare_store(keys, writer)
+        manager.complete_store(keys, writer)
+    manager.reset_cache()
+    manager.shutdown()
+    journal = b"".join(p.read_bytes() for p in (tmp_path / "journal").glob("*.jsonl"))
+    reset_lines = [line for line in journal.splitlines() if b'"k":"batch"' in line and b'"r":"reset"' in line]
+    assert len(reset_lines) == -(-chunks // RESIDENCIES_PER_RECORD)  # 3 lines of at most 16,384 ages
+    sidecar = Sidecar(tmp_path).start()
+    try:
+        def reset_count() -> float | None:
+            text = http_get(f"{sidecar.url}/metrics")[2].decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "kvobs_chunk_residency_seconds_count" and sample.labels["reason"] == "reset":
+                        return sample.value
+            return None
+
+        assert wait_for(lambda: reset_count() == chunks, what="40,000 reset ages at the sidecar")
+        text = http_get(f"{sidecar.url}/metrics")[2].decode()
+        assert 'kvobs_dropped_records_total{engine="sidecar",stage="ingest"} 0.0' in text
+    finally:
+        sidecar.stop()
