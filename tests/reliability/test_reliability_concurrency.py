@@ -119,9 +119,14 @@ def run(manager: OffloadingManager, peer: Any) -> dict[str, Any]:
     if worker.is_alive():
         faulthandler.dump_traceback(file=sys.stderr)
         pytest.fail(f"deadlock: the scheduler thread did not finish within {DEADLOCK_TIMEOUT_S}s")
-    # Quiesce: the peer stops asking, so the poll thread stops evicting once any round in
-    # progress (which holds the lock) is over; counts compared after this are final.
+    # Quiesce: the peer stops asking, and the poll thread is stopped (a round may still finish
+    # queued promotion work, which can evict); counts compared after this are final.
     peer.wanted = []
+    inner = getattr(manager, "inner", manager)
+    inner._tier_poll_stop.set()
+    inner._tier_poll_thread.join(DEADLOCK_TIMEOUT_S)
+    if inner._tier_poll_thread.is_alive():
+        pytest.fail(f"deadlock: the tier-poll thread did not stop within {DEADLOCK_TIMEOUT_S}s")
     with manager.lock:
         for event in manager.take_events():
             if event.removed and not event.metadata_only:
