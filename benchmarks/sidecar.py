@@ -87,16 +87,20 @@ def write_journals(directory: Path, keys_per_engine: int, batch_keys: tuple[int,
     """Journals and reports for ENGINES engines; returns the evicted keys written."""
     import logging
 
-    logging.getLogger("kvobs").disabled = True  # load_failed logs each message once
-    mean = (batch_keys[0] + batch_keys[1]) / 2
-    total = 0
-    for e in range(ENGINES):
-        engine = Engine(directory, e, seed=100 + e)
-        engine.evict(int(keys_per_engine / mean), batch_keys)
-        engine.fail(3)
-        engine.close()
-        total += engine.keys_written + 3 * 12
-    return total
+    logger = logging.getLogger("kvobs")
+    saved, logger.disabled = logger.disabled, True  # load_failed logs each message once
+    try:
+        mean = (batch_keys[0] + batch_keys[1]) / 2
+        total = 0
+        for e in range(ENGINES):
+            engine = Engine(directory, e, seed=100 + e)
+            engine.evict(int(keys_per_engine / mean), batch_keys)
+            engine.fail(3)
+            engine.close()
+            total += engine.keys_written + 3 * 12
+        return total
+    finally:
+        logger.disabled = saved  # the smoke tests import this module into the test session
 
 
 # -- ingest --------------------------------------------------------------------------------
