@@ -22,6 +22,7 @@ from services import Sidecar, http_get, wait_for
 from kvobs.history import REASONS
 from kvobs.journal import FLUSH_EVERY_S
 from kvobs.observer import Observer
+from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -84,12 +85,20 @@ def test_sidecar_absent_killed_and_restarted_mid_run_ends_exact(tmp_path: Path) 
         rounds[0] = 30
         worker.start()
         sidecar = Sidecar(directory).start()
-        time.sleep(1.0 + random.Random(7).random())
+        # Kill it only after it has checkpointed (every CHECKPOINT_EVERY_S) and read on past that
+        # checkpoint: the restart then resumes from a saved state and saved offsets, and what was
+        # read between the checkpoint and the kill must be read again exactly once.
+        checkpoint = directory / CHECKPOINT
+        wait_for(checkpoint.exists, timeout=CHECKPOINT_EVERY_S * 4, what="the sidecar's first checkpoint")
+        time.sleep(0.5 + random.Random(7).random())
         assert sidecar.proc is not None
         sidecar.proc.kill()  # SIGKILL: no checkpoint on the way out
         sidecar.proc.wait(timeout=10)
+        saved = json.loads(checkpoint.read_text())
+        saved_residency = sum(sum(h["counts"]) for h in saved["engines"]["e0"]["residency"].values())
+        assert saved_residency > 0 and any(v > 0 for v in saved["positions"].values())
         time.sleep(1.0)
-        sidecar = Sidecar(directory).start()  # restarts from its last checkpoint (or from scratch)
+        sidecar = Sidecar(directory).start()  # restarts from that checkpoint
         time.sleep(1.0)
         stop.set()
         worker.join(timeout=30)
@@ -98,6 +107,7 @@ def test_sidecar_absent_killed_and_restarted_mid_run_ends_exact(tmp_path: Path) 
         want = expected(manager.observer, "e0")
         assert want["evicted/store_failed"] > 0 and want["evicted/capacity"] > 1000
         wait_for(lambda: seen(scrape(sidecar.url), "e0") == want, timeout=30, what="exact totals after restart")
+        assert saved_residency < want["residency/capacity"]  # the restart had more to read than the checkpoint held
     finally:
         stop.set()
         manager.shutdown()
