@@ -70,6 +70,38 @@ def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Pat
     # One span per failed load reached the OTLP endpoint, each before its exception left kvobs.
     spans = receiver.spans()
     assert len(spans) == failures and {s.name for s in spans} == {"kv_offload.prepare_load"}
+    # What the engines exported, read back by the sidecar's own ingest (not the demo's check):
+    # the printed per-engine summary, and no kvobs fault or dropped record on the way.
+    assert _printed_totals(summary) == _journaled_totals(directory)
+
+
+def _printed_totals(summary: str) -> dict[str, dict[str, dict[str, int]]]:
+    """The summary's per-engine lines as {engine: {evicted|near|failures: {label: count}}}."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for block in re.split(r"\n  (?=dp\d+ \()", "\n" + summary.split("\n  the sidecar")[0])[1:]:
+        engine = block.split(" ", 1)[0]
+        fields = {"evicted": r"evicted chunks: (.*)", "near": r"near misses \(hits evicted before their load\): (.*)",
+                  "failures": r"failed loads by cause: (.*)"}
+        out[engine] = {}
+        for name, pattern in fields.items():
+            text = re.search(pattern, block).group(1).strip()  # type: ignore[union-attr]
+            out[engine][name] = {} if text == "none" else {
+                label: int(n) for label, n in (item.rsplit(" ", 1) for item in text.split(", "))}
+    return out
+
+
+def _journaled_totals(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
+    from kvobs.sidecar.ingest import Ingest
+
+    ingest = Ingest(directory)
+    ingest.poll()
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for engine, state in ingest.state.engines.items():
+        totals = {name: {k: int(v) for k, v in counts.items() if v} for name, counts in state.totals().items()}
+        assert totals["errors"] == {} and totals["dropped"] == {}, (engine, totals)
+        out[engine] = {name: totals[name] for name in ("evicted", "near", "failures")}
+    assert ingest.state.corrupt == 0
+    return out
 
 
 def test_demo_without_tiering_runs_only_the_cpu_engine(tmp_path: Path) -> None:
