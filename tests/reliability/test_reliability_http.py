@@ -167,6 +167,9 @@ def test_abuse_leaves_the_sidecar_serving_with_bounded_memory(sidecar: Sidecar) 
             s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
             slow.append(s)
     refused_during = http_get_status_or_none(f"{sidecar.url}/healthz")
+    # The cap holds: with every slot taken by an attacker, a new connection is closed, not queued
+    # or served (without the cap, the rest of this test would pass trivially).
+    assert refused_during is None, refused_during
     served_again_at = None
     trace: list[tuple[float, int | None]] = []
     rss_peak = rss_kb(pid)
