@@ -61,11 +61,15 @@ def test_plugin_wraps_the_inner_spec_and_explains_a_failure(inner: dict[str, Any
         manager.shutdown()
 
 
-def test_default_engine_label_is_the_dp_rank() -> None:
-    spec = create_spec(observed_extra(cpu_extra(2)))
+@pytest.mark.parametrize("dp_index", [0, 3])
+def test_default_engine_label_is_the_dp_rank(dp_index: int) -> None:
+    spec = create_spec(observed_extra(cpu_extra(2)), dp_index=dp_index)
     manager = spec.get_manager()
-    assert isinstance(manager, ObservedOffloadingManager)
-    assert manager.observer.options.engine == "dp0"
+    try:
+        assert isinstance(manager, ObservedOffloadingManager)
+        assert manager.observer.options.engine == f"dp{dp_index}"  # rank 3 too: not a fixed "dp0"
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,8 @@ BYTES_PER_CHUNK = 4096  # one page: the smallest aligned chunk
 _engine_ids = itertools.count()
 
 
-def offloading_config(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingConfig:
-    """An OffloadingConfig for a tiny single-worker engine on CPU."""
+def offloading_config(extra_config: dict[str, Any], *, groups: int = 1, dp_index: int = 0) -> OffloadingConfig:
+    """An OffloadingConfig for a tiny single-worker engine on CPU (DP rank ``dp_index``)."""
     return OffloadingConfig(
         groups=tuple(
             OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"layer.{g}",), group_id=g)
@@ -42,7 +42,7 @@ def offloading_config(extra_config: dict[str, Any], *, groups: int = 1) -> Offlo
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            data_parallel_index=dp_index, data_parallel_size=dp_index + 1, data_parallel_rank_local=None,
             is_parallelism_agnostic=False,
         ),
     )
@@ -74,8 +74,8 @@ def observed_extra(inner: dict[str, Any], **kvobs_options: Any) -> dict[str, Any
     }
 
 
-def create_spec(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingSpec:
-    return OffloadingSpecFactory.create_spec(offloading_config(dict(extra_config), groups=groups))
+def create_spec(extra_config: dict[str, Any], *, groups: int = 1, dp_index: int = 0) -> OffloadingSpec:
+    return OffloadingSpecFactory.create_spec(offloading_config(dict(extra_config), groups=groups, dp_index=dp_index))
 
 
 def create_manager(extra_config: dict[str, Any], *, groups: int = 1) -> OffloadingManager:
