@@ -37,6 +37,7 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
+    TransferStats,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
@@ -436,13 +437,14 @@ class EngineStepDriver:
         self.scheduler.request_finished(request)
         self._finished.add(request.request_id)
 
-    def report_worker_jobs(self, job_ids: Iterable[int]) -> None:
+    def report_worker_jobs(self, job_ids: Iterable[int], transfer_stats: TransferStats | None = None) -> None:
         """SIMULATED worker side: every worker reports these transfer jobs as done.
 
         This is the only simulated vLLM behaviour. The GPU worker cannot run on CPU; all the
         scheduler learns from it is ``OffloadingWorkerMetadata.completed_jobs`` (one count per
         worker) and, for a finished load, the request id in ``finished_recving``. No KV bytes
-        move, which the scheduler side cannot observe.
+        move, which the scheduler side cannot observe. ``transfer_stats`` (also simulated when
+        given) feeds vLLM's load/store byte counters.
         """
         completed: dict[int, int] = {}
         finished_recving: set[str] = set()
@@ -457,7 +459,9 @@ class EngineStepDriver:
         self.scheduler.update_connector_output(
             KVConnectorOutput(
                 finished_recving=finished_recving or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+                kv_connector_worker_meta=OffloadingWorkerMetadata(
+                    completed_jobs=completed, transfer_stats=transfer_stats or TransferStats()
+                ),
             )
         )
 

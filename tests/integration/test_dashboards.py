@@ -14,6 +14,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from services import ROOT, Prometheus, Sidecar, wait_for
+from services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
@@ -33,9 +34,9 @@ RULE_FILES = sorted(RULES.glob("*.yaml"))
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 CAUSES_PRODUCED = {"evicted_after_lookup", "coverage_mismatch", "reset_after_lookup", "store_failed_after_lookup"}
-# vLLM's own metrics come from vLLM's API server, which needs a model and a GPU: nothing here can
-# produce them. Queries reading them are exempt from the "returns data" check, and nothing else is.
-EXEMPT_REASON = "reads vLLM's own vllm:* metrics, exported only by a running vLLM API server (no GPU/model here)"
+# vLLM's own vllm:kv_offload_* series come from vllm_metrics_process.py: the real connector
+# scheduler's stats recorded by vLLM's own KVConnectorProm (the API server itself needs a GPU).
+VLLM_METRICS = Path(__file__).parent / "vllm_metrics_process.py"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -60,17 +61,31 @@ def test_promtool_unit_tests_pass() -> None:
     assert result.stdout.count("SUCCESS") == len(tests)
 
 
-def scrape_config(sidecar_port: int) -> dict[str, Any]:
-    """The shipped ``kvobs`` job (labels, relabelling) pointed at the test's sidecar, every second."""
+def scrape_config(sidecar_port: int, vllm_port: int) -> dict[str, Any]:
+    """The shipped ``kvobs`` and ``vllm`` jobs (labels, relabelling) pointed at the test's targets, every second."""
     shipped = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    (job,) = [j for j in shipped["scrape_configs"] if j["job_name"] == "kvobs"]
-    (static,) = job["static_configs"]
-    static["targets"] = [f"127.0.0.1:{sidecar_port}"]
+    jobs = {j["job_name"]: j for j in shipped["scrape_configs"]}
+    for name, port in (("kvobs", sidecar_port), ("vllm", vllm_port)):
+        (static,) = jobs[name]["static_configs"]
+        static["targets"] = [f"127.0.0.1:{port}"]
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],
-        "scrape_configs": [job],
+        "scrape_configs": [jobs["kvobs"], jobs["vllm"]],
     }
+
+
+def start_vllm_metrics() -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(VLLM_METRICS), str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: b"vllm:kv_offload_allocation_failure_total{" in http_get(f"http://127.0.0.1:{port}/metrics")[2],
+                 timeout=90, what="vLLM's offload metrics")
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(proc.stderr.read().decode()[-3000:] if proc.stderr else "no stderr") from None
+    return proc, port
 
 
 class ShippedPrometheus(Prometheus):
@@ -144,8 +159,9 @@ def run_workload(cpu: Any, tier: Any) -> None:
 def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path, managers: list[Any]) -> None:
     directory = tmp_path / "kvobs"
     directory.mkdir()
+    vllm_metrics, vllm_port = start_vllm_metrics()
     sidecar = Sidecar(directory).start()
-    config = scrape_config(sidecar.port)
+    config = scrape_config(sidecar.port, vllm_port)
     labels = config["scrape_configs"][0]["static_configs"][0]["labels"]
     model, instance = labels["model"], labels["instance"]
     prometheus = ShippedPrometheus(tmp_path / "prom", config).start()
@@ -162,6 +178,9 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                  what="the four failures scraped")
         wait_for(lambda: prometheus.value('sum(kvobs_evicted_chunks_total{reason="store_failed"})') == 1,
                  what="the failed store scraped")
+
+        wait_for(lambda: prometheus.query("{__name__=~\"vllm[:_]kv_offload_tiering_cascade_job_failures_total\"}"),
+                 what="vLLM's offload series scraped")
 
         # The labels the dashboards rely on came through the shipped scrape config.
         (build,) = prometheus.query('kvobs_build_info{engine="dp0"}')
@@ -191,7 +210,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
             {"model": model, "instance": instance, "engine": "dp0"},
             {"model": model, "instance": instance, "engine": "dp1"},
         ]
-        checked, exempt, empty = 0, [], []
+        checked, vllm_queries, empty = 0, 0, []
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())
             for variables in variable_sets:
@@ -204,9 +223,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                     assert found, var["name"]
                 for where, expr in panel_queries(dashboard):
                     query = substitute(expr, values)
-                    if "vllm:" in query:
-                        exempt.append(where)
-                        continue
+                    vllm_queries += "vllm[:_]kv_offload" in query
                     result = prometheus.query(query)
                     checked += 1
                     if not result:
@@ -214,8 +231,9 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                     elif variables["engine"] == ".*" and all(math.isnan(float(r["value"][1])) for r in result):
                         empty.append(f"{path.name} {where}: only NaN: {query}")
         assert empty == []
-        assert checked >= 25 * len(variable_sets) and exempt, (checked, exempt)
-        assert all("vLLM" in where for where in exempt), f"{EXEMPT_REASON}; exempt by mistake: {exempt}"
+        assert checked >= 35 * len(variable_sets) and vllm_queries >= 10 * len(variable_sets), (checked, vllm_queries)
     finally:
         prometheus.stop()
         sidecar.stop()
+        vllm_metrics.terminate()
+        vllm_metrics.wait(timeout=15)
