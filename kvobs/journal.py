@@ -242,13 +242,19 @@ class JournalSink(Sink):
             self._write_lock.release()
 
     def close(self) -> None:
+        """Flush and close, bounded: a writer stuck in a hung write must not hang the engine's shutdown."""
         self._closed.set()
         self._thread.join(timeout=FAILURE_FLUSH_TIMEOUT_S)
-        self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
-        with self._write_lock:
+        if not self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True):
+            raise TimeoutError(f"journal writer stuck for over {FAILURE_FLUSH_TIMEOUT_S}s; not flushed at close")
+        if not self._write_lock.acquire(timeout=FAILURE_FLUSH_TIMEOUT_S):
+            raise TimeoutError("journal writer stuck; file left open at close")
+        try:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+        finally:
+            self._write_lock.release()
 
     def _write(self, data: bytes) -> None:
         if self._fd is None or self._segment_bytes + len(data) > SEGMENT_BYTES:
