@@ -180,6 +180,11 @@ class SidecarState:
                 oldest = min(state.live, key=lambda p: state.live[p].get("t", 0.0))
                 _add(state.retired, state.live.pop(oldest))
         elif kind == "hello":
+            # A new process starts. If its pid is already live, the pid was reused (a restarted
+            # container): the old process's totals are final, and the new one's start from zero.
+            previous = state.live.pop(int(record.get("pid") or 0), None)
+            if previous is not None:
+                _add(state.retired, previous)
             state.hello = {k: record.get(k) for k in ("version", "vllm_version", "history_size", "pid")}
 
     def apply_report(self, name: str, report: dict[str, Any]) -> None:

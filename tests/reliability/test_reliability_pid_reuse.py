@@ -1,0 +1,29 @@
+"""An engine restarted with the same pid (a restarted container: same pid namespace layout).
+
+The new EngineCore writes the same journal file name and its cumulative totals start from
+zero again. The sidecar's counters must keep the first process's counts (they are counters),
+not fall back to the new process's. Reproduced for real: two engines one after the other in
+this process (same pid, same engine name, same directory), each through kvobs's own journal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from faults import churn, engine_totals, observed_cpu
+
+
+def test_sidecar_totals_survive_an_engine_restart_with_the_same_pid(tmp_path: Path) -> None:
+    directory = tmp_path / "kvobs"
+    first = observed_cpu(dir=str(directory), engine="e0")
+    churn(first, 5)  # 4 rounds evict 4 chunks each
+    first.shutdown()
+    first_evicted = first.observer.evicted["capacity"]
+    second = observed_cpu(dir=str(directory), engine="e0")  # the restarted engine
+    churn(second, 3, start=100)  # 2 rounds evict 4 each
+    second.shutdown()
+    second_evicted = second.observer.evicted["capacity"]
+    assert (first_evicted, second_evicted) == (16, 8)
+    totals = engine_totals(directory, "e0")
+    assert totals["evicted"]["capacity"] == first_evicted + second_evicted
+    assert totals["batches"]["capacity"] == first.observer.batches["capacity"] + second.observer.batches["capacity"]
