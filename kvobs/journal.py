@@ -44,6 +44,7 @@ FLUSH_EVERY_S = 0.25
 QUEUE_RECORDS = 65_536
 SEGMENT_BYTES = 16 * 2**20
 KEEP_SEGMENTS = 4
+KEEP_PROCESSES = 8  # earlier processes of an engine whose segments are kept (restarts must not fill the disk)
 KEEP_REPORTS = 1_000
 MAX_REPORT_BYTES = 4 * 2**20
 RESIDENCIES_PER_RECORD = 16_384  # ages per batch line (~200 KB): a 1M-chunk reset is ~62 lines, not one of 10 MB
@@ -176,6 +177,7 @@ class JournalSink(Sink):
         self._wall_offset = time.time() - time.monotonic()
         self._reports = 0
         self._closed = threading.Event()
+        self._prune_earlier_processes()
         self._enqueue(("hello", vllm_version))
         self._thread = threading.Thread(target=self._run, name="kvobs-journal", daemon=True)
         self._thread.start()
@@ -281,6 +283,35 @@ class JournalSink(Sink):
         if old >= 0:
             with contextlib.suppress(FileNotFoundError):
                 (self.journal_dir / f"{self.engine}-{os.getpid()}.{old:06d}.jsonl").unlink()
+
+    def _prune_earlier_processes(self) -> None:
+        """Delete the segments of this engine's earlier processes but the newest KEEP_PROCESSES'.
+
+        Each process bounds its own segments; without this a crash-looping engine would leave
+        up to KEEP_SEGMENTS segments per restart, forever. Newest by last write, so a live
+        writer (touching its file every FLUSH_EVERY_S) is never among the deleted.
+        """
+        mine = os.getpid()
+        by_pid: dict[int, list[Path]] = {}
+        for path in self.journal_dir.glob("*.jsonl"):
+            engine, _, pid = path.name[: -len(".jsonl")].rpartition(".")[0].rpartition("-")
+            if engine == self.engine and pid.isdigit() and int(pid) != mine:
+                by_pid.setdefault(int(pid), []).append(path)
+        if len(by_pid) <= KEEP_PROCESSES:
+            return
+
+        def last_write(paths: list[Path]) -> float:
+            newest = 0.0
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, path.stat().st_mtime)
+            return newest
+
+        by_age = sorted(by_pid.values(), key=last_write)
+        for paths in by_age[: len(by_age) - KEEP_PROCESSES]:
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def _prune_reports(self) -> None:
         reports = sorted(self.failures_dir.glob("*.json"))
