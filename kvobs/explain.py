@@ -230,7 +230,7 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
             for entry in wanted[removal["key"]]:
                 entry.removals.append(removal)
         for entry in entries:
-            entry.removals.sort(key=lambda r: r["time"], reverse=True)
+            entry.removals.sort(key=lambda r: r["time"] or 0.0, reverse=True)
             del entry.removals[REMOVALS_SHOWN:]
 
 
@@ -264,22 +264,24 @@ def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, A
 def _removals_in(record: dict[str, Any] | None, refs: set[str]) -> Iterator[dict[str, Any]]:
     if record is None or record.get("k") != "batch" or not isinstance(record.get("keys"), list):
         return
-    res = record.get("res")
+    res, when = record.get("res"), record.get("t", 0.0)
     residency: list[Any] = res if isinstance(res, list) else []
+    if not _is_number(when):  # a damaged record: its keys are still shown, without a time
+        when = None
     seen: set[str] = set()
     for index, key in enumerate(record["keys"]):
-        if key in refs and key not in seen:  # one removal per batch, even if two keys share a prefix
+        if isinstance(key, str) and key in refs and key not in seen:  # one removal per batch, per key
             seen.add(key)
             yield {
                 "key": key,
                 "engine": record.get("e"),
                 "pid": record.get("pid"),
-                "time": float(record.get("t", 0.0)),
+                "time": None if when is None else float(when),
                 "reason": record.get("r"),
                 "path": record.get("p"),
                 "req_id": record.get("req"),
                 "batch_keys": record.get("n"),
-                "residency_s": residency[index] if index < len(residency) else None,
+                "residency_s": residency[index] if index < len(residency) and _is_number(residency[index]) else None,
             }
 
 
@@ -306,8 +308,18 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> None:
 # -- saying it ---------------------------------------------------------------------------------
 
 
-def _utc(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _utc(timestamp: Any) -> str:
+    """A wall time for people; a damaged one (not a number, out of range) is said so, not raised."""
+    if not _is_number(timestamp):
+        return "time unknown"
+    try:
+        return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return "time unknown"
 
 
 def _key_line(entry: LoggedAssertion) -> str:
@@ -357,8 +369,9 @@ def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source
         for report in entry.reports[:REMOVALS_SHOWN]:
             cause = report.get("cause")
             out.append(f"  kvobs failure report {report.get('id', '?')} (engine {report.get('engine')}, "
-                       f"{_utc(float(report.get('time', 0)))}): cause {cause}: {MEANING.get(str(cause), '?')}")
-            for missing in (report.get("missing") or [])[:4]:
+                       f"{_utc(report.get('time', 0))}): cause {cause}: {MEANING.get(str(cause), '?')}")
+            listed = report.get("missing")
+            for missing in listed[:4] if isinstance(listed, list) else ():
                 if isinstance(missing, dict):
                     out.append(f"    key {missing.get('key')} end_token {missing.get('end_token')}: "
                                f"{missing.get('cause')} ({missing.get('evidence')})")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvobs.explain import MAX_LINE_BYTES, find_assertions, render
+from kvobs.explain import MAX_LINE_BYTES, add_directory_evidence, find_assertions, render
 
 KEY = b"\x07" * 32 + (3).to_bytes(4, "big")
 LINE = f"(EngineCore_DP2 pid=7) ERROR 11-29 10:00:00 [core.py:1] AssertionError: Chunk {KEY!r} not found in cache"
@@ -59,3 +61,27 @@ def test_arbitrary_bytes_never_raise(prefix: bytes, suffix: bytes) -> None:
     for text in (prefix, prefix + b"Chunk b'" + suffix + b"' not found in cache" + suffix, prefix + LINE.encode()):
         entries, dropped = find_assertions(io.BytesIO(text))
         assert isinstance(render(entries, dropped, False, "fuzz"), str)
+
+
+def test_damaged_kvobs_records_are_shown_as_damaged_not_raised(tmp_path: Path) -> None:
+    """A damaged journal line or report (wrong types, out-of-range times) must not crash explain."""
+    directory = tmp_path / "kvobs"
+    (directory / "journal").mkdir(parents=True)
+    (directory / "failures").mkdir()
+    ref = "0707070707070707/3"
+    damaged = [
+        {"k": "batch", "e": "dp2", "t": "soon", "keys": [ref], "res": ["x"]},
+        {"k": "batch", "e": "dp2", "t": None, "keys": [[ref], ref]},
+        {"k": "batch", "e": "dp2", "t": 1e300, "keys": [ref], "res": [None]},
+    ]
+    (directory / "journal" / "dp2-7.000000.jsonl").write_text(
+        "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in damaged)
+    )
+    (directory / "failures" / "1.json").write_text(
+        json.dumps({"vllm_message": f"Chunk {KEY!r} not found in cache", "time": "later", "missing": {"a": 1}})
+    )
+    [entry] = _find(LINE.encode() + b"\n")
+    add_directory_evidence([entry], directory)
+    assert len(entry.removals) == 3 and len(entry.reports) == 1
+    text = render([entry], 0, True, "log")
+    assert text.count("time unknown") == 4 and "resident" not in text
