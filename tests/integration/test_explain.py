@@ -8,13 +8,20 @@ identical: ``f"Block {block_hash!r} not found in cache"``).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from services import ROOT, Sidecar, free_port
+
+from kvobs import cli
 
 HERE = Path(__file__).parent
 
@@ -133,3 +140,29 @@ def test_bad_input_gets_a_clear_error(logs: dict[str, Path], args: list[str], me
     run = explain(*args)
     assert run.returncode == 2 and message in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.binary(max_size=300), cut=st.integers(0, 1200), as_json=st.booleans())
+def test_damaged_log_with_kvobs_data_never_tracebacks(logs: dict[str, Path], junk: bytes, cut: int,
+                                                      as_json: bool) -> None:
+    """The real kvobs log line, cut anywhere and followed by arbitrary bytes, through the whole
+    command (--dir with real reports and journals, text and --json): exit 0 or 1, never an
+    exception; and while the line is intact up to the end of vLLM's text, it is still found."""
+    line = next(b for b in logs["kvobs"].read_bytes().splitlines() if b"AssertionError: Chunk b'" in b)
+    vllm_end = line.index(b" not found in cache") + len(b" not found in cache")
+    with tempfile.TemporaryDirectory() as scratch:
+        damaged = Path(scratch) / "damaged.log"
+        damaged.write_bytes(line[:cut] + junk + b"\n")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = cli.main(["explain", "--dir", str(logs["dir"]), *(["--json"] if as_json else []), str(damaged)])
+    assert status in (0, 1)
+    if as_json:
+        [result] = json.loads(out.getvalue())
+        found = result["assertions"]
+    else:
+        found = [] if out.getvalue().startswith("no offload assertion") else [out.getvalue()]
+    if cut >= vllm_end and not junk[:1].isalnum():
+        assert found and status == 0, out.getvalue()[:2000]
