@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,17 @@ def _engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
     return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, TIERING_ENGINE]
 
 
+def _port_in_use(port: int) -> bool:
+    """True if something listens on 127.0.0.1:port (binding as the sidecar does: TIME_WAIT is no obstacle)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def _start_sidecar(directory: Path, port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(port)],
@@ -111,6 +123,12 @@ def run_demo(args: argparse.Namespace) -> int:
     # store in the small CPU tier) would bury them.
     logging.getLogger("kvobs").setLevel(logging.CRITICAL)
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    if _port_in_use(args.port):
+        # Else our sidecar dies on the bound port while the other one answers /healthz, and the
+        # summary is checked against a sidecar that never reads this demo's directory.
+        print(f"kvobs demo: port {args.port} is in use (another kvobs sidecar, e.g. the compose stack?); "
+              "pass --port", file=sys.stderr)
+        return 2
     directory = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-demo-"))
     url = f"http://127.0.0.1:{args.port}"
     console = Console()
@@ -192,4 +210,4 @@ def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path)
     console.line(f"  metrics:          {url}/metrics")
     console.line(f"  failure reports:  {directory / 'failures'} ({reports} files), {url}/api/v1/failures")
     console.line(f"  explain a log:    kvobs explain --dir {directory} vllm.log")
-    console.line("  dashboards:       dashboards/ (Grafana; see README, 'Dashboards and alerts')")
+    console.line("  dashboards:       dashboards/ (Grafana; see README, 'Dashboards, alerts, deployment')")
