@@ -176,6 +176,9 @@ class JournalSink(Sink):
         self._fd: int | None = None
         self._wall_offset = time.time() - time.monotonic()
         self._reports = 0
+        # Tells this writer's cumulative totals apart from any other's with the same engine and
+        # pid: a restarted container reuses pids; two observed managers may share one process.
+        self.run = os.urandom(6).hex()
         self._closed = threading.Event()
         self._prune_earlier_processes()
         self._enqueue(("hello", vllm_version))
@@ -359,11 +362,12 @@ class JournalSink(Sink):
             from kvobs import __version__
 
             base.update(t=time.time(), version=__version__, vllm_version=record[1],
-                        history_size=obs.options.history_size, format=FORMAT_VERSION)
+                        history_size=obs.options.history_size, format=FORMAT_VERSION, run=self.run)
         else:  # totals: cumulative, so a reader never double counts
             stats = obs.history_stats
             base.update(
                 t=time.time(),
+                run=self.run,
                 evicted=dict(obs.evicted),
                 batches=dict(obs.batches),
                 near=dict(obs.near_misses),

@@ -94,6 +94,8 @@ def _well_typed(record: Mapping[str, Any]) -> bool:
         return False
     if record.get("pid") is not None and not isinstance(record["pid"], int):
         return False
+    if record.get("run") is not None and not isinstance(record["run"], str):
+        return False
     kind = record.get("k")
     if kind == "totals":
         for name in TOTAL_KEYS:
@@ -117,8 +119,8 @@ def _well_typed(record: Mapping[str, Any]) -> bool:
 class EngineState:
     """One ``engine`` label: possibly several processes over time (restarts)."""
 
-    live: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> latest totals
-    retired: dict[str, dict[str, float]] = field(default_factory=dict)  # totals of pruned pids
+    live: dict[str, dict[str, Any]] = field(default_factory=dict)  # writer ("pid/run") -> latest totals
+    retired: dict[str, dict[str, float]] = field(default_factory=dict)  # totals of pruned writers
     hello: dict[str, Any] = field(default_factory=dict)
     last_record_time: float = 0.0
     groups: set[str] = field(default_factory=set)
@@ -174,17 +176,16 @@ class SidecarState:
                 hist.observe_many(float(a) for a in record.get("res") or ())
             state.groups.update(str(g) for g in (record.get("g") or {}))
         elif kind == "totals":
-            pid = int(record.get("pid") or 0)
-            state.live[pid] = {k: record.get(k) for k in (*TOTAL_KEYS, "t", "hist_keys", "hist_window")}
+            # One writer's cumulative totals; a writer is a pid and, since journals carry it, the
+            # JournalSink's run (a restarted container reuses pids; its totals start from zero).
+            writer = str(int(record.get("pid") or 0))
+            if record.get("run") is not None:
+                writer += f"/{record['run']}"
+            state.live[writer] = {k: record.get(k) for k in (*TOTAL_KEYS, "t", "hist_keys", "hist_window")}
             if len(state.live) > MAX_PIDS_PER_ENGINE:
                 oldest = min(state.live, key=lambda p: state.live[p].get("t", 0.0))
                 _add(state.retired, state.live.pop(oldest))
         elif kind == "hello":
-            # A new process starts. If its pid is already live, the pid was reused (a restarted
-            # container): the old process's totals are final, and the new one's start from zero.
-            previous = state.live.pop(int(record.get("pid") or 0), None)
-            if previous is not None:
-                _add(state.retired, previous)
             state.hello = {k: record.get(k) for k in ("version", "vllm_version", "history_size", "pid")}
 
     def apply_report(self, name: str, report: dict[str, Any]) -> None:
@@ -233,7 +234,7 @@ class SidecarState:
             "corrupt": self.corrupt,
             "engines": {
                 name: {
-                    "live": {str(pid): t for pid, t in e.live.items()},
+                    "live": dict(e.live),
                     "retired": e.retired,
                     "hello": e.hello,
                     "last_record_time": e.last_record_time,
@@ -258,7 +259,7 @@ class SidecarState:
         state.corrupt = int(data["corrupt"])
         for name, e in data["engines"].items():
             engine = state.engine(name)
-            engine.live = {int(pid): t for pid, t in e["live"].items()}
+            engine.live = {str(writer): t for writer, t in e["live"].items()}
             engine.retired = e["retired"]
             engine.hello = e["hello"]
             engine.last_record_time = float(e["last_record_time"])
