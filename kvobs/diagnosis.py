@@ -47,6 +47,7 @@ class KeyFacts:
     verdict: Verdict | None  # this request's positive lookup answer, if any
     last_removal: Removal | None
     reset_after_lookup: Removal | None = None  # a reset batch with no keys listed
+    verdicts_dropped: bool = False  # some of this request's verdicts did not fit (max_verdicts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +91,8 @@ def classify(facts: KeyFacts) -> str:
     if facts.state == NOT_READY:
         return "store_in_flight"
     verdict = facts.verdict
-    if verdict is None:
-        return "coverage_mismatch"
+    if verdict is None:  # never reported, unless the report was among the dropped verdicts
+        return "unknown" if facts.verdicts_dropped else "coverage_mismatch"
     removal = facts.last_removal
     if removal is not None and removal.serial >= verdict.serial:
         return _CAUSE_OF_REASON[removal.reason]
@@ -114,6 +115,9 @@ def _evidence(facts: KeyFacts, cause: str, now: float) -> str:
             if facts.last_removal is not None
             else "no removal recorded"
         )
+        if facts.verdicts_dropped:
+            return (f"lookup verdicts of this request were dropped (max_verdicts reached), so whether its lookup "
+                    f"reported the chunk is not known; {seen}")
         return f"this request's lookups never reported the chunk; {seen}"
     said = "HIT_PENDING" if verdict.pending else "HIT"
     looked = f"lookup reported {said} {round(max(0.0, now - verdict.time), 3)}s before the load"

@@ -189,7 +189,8 @@ class Observer:
             reset: Removal | None = None
             if verdict is not None and (removal is None or removal.serial < verdict.serial):
                 reset = self.history.reset_since(verdict.serial)
-            out.append(KeyFacts(key, group, end_token, state, verdict, removal, reset))
+            dropped = verdict is None and self.verdicts.incomplete(req_id)
+            out.append(KeyFacts(key, group, end_token, state, verdict, removal, reset, dropped))
         return out
 
     def load_failed(

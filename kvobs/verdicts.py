@@ -35,6 +35,7 @@ class _RequestVerdicts:
     verdicts: dict[bytes, Verdict] = field(default_factory=dict)
     watching: bool = True
     broken: dict[bytes, str] = field(default_factory=dict)  # key -> removal reason
+    incomplete: bool = False  # a verdict of this request was dropped (max_entries reached)
 
 
 class NearMiss(NamedTuple):
@@ -71,6 +72,7 @@ class LookupVerdicts:
         if key not in state.verdicts:
             if self._entries >= self.max_entries:
                 self.dropped += 1
+                state.incomplete = True
                 return
             self._entries += 1
         state.verdicts[key] = verdict
@@ -95,6 +97,11 @@ class LookupVerdicts:
     def get(self, req_id: str, key: bytes) -> Verdict | None:
         state = self._requests.get(req_id)
         return None if state is None else state.verdicts.get(key)
+
+    def incomplete(self, req_id: str) -> bool:
+        """True if a verdict of this request was dropped: a missing verdict then proves nothing."""
+        state = self._requests.get(req_id)
+        return state is not None and state.incomplete
 
     def pinned(self, req_id: str) -> None:
         """The request was scheduled (its load, if any, is prepared): stop watching."""
