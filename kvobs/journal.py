@@ -47,6 +47,7 @@ KEEP_SEGMENTS = 4
 KEEP_PROCESSES = 8  # earlier processes of an engine whose segments are kept (restarts must not fill the disk)
 KEEP_REPORTS = 1_000
 MAX_REPORT_BYTES = 4 * 2**20
+MAX_REPORT_KEYS = 1_000  # keys a report details (~350 bytes each); its missing_summary counts every key
 RESIDENCIES_PER_RECORD = 16_384  # ages per batch line (~200 KB): a 1M-chunk reset is ~62 lines, not one of 10 MB
 KEYS_PER_RECORD = 256  # key prefixes listed per batch record (for `kvobs explain`)
 FAILURE_FLUSH_TIMEOUT_S = 2.0
@@ -124,6 +125,8 @@ def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_t
         "end_token_range": list(failure.end_token_range) if failure.end_token_range else None,
         "history_keys": failure.history_keys,
         "history_window_s": failure.history_window_s,
+        "missing_not_listed": max(0, len(diagnosis.keys) - MAX_REPORT_KEYS),
+        "missing_summary": missing_summary(diagnosis),
         "missing": [
             {
                 "key": key_ref(k.facts.key),
@@ -142,8 +145,27 @@ def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_t
                 },
                 "evidence": k.evidence,
             }
-            for k in diagnosis.keys
+            for k in diagnosis.keys[:MAX_REPORT_KEYS]
         ],
+    }
+
+
+def missing_summary(diagnosis: Diagnosis) -> dict[str, Any]:
+    """Every missing key, aggregated: counts by (cause, group) and eviction ages bucketed per group.
+
+    A load can ask for tens of thousands of keys (a long prompt, several KV groups); listing each
+    would outgrow what the sidecar reads (MAX_REPORT_BYTES), so the sidecar's metrics come from here.
+    """
+    from kvobs.sidecar.state import Histogram
+
+    counts = Counter((k.cause, k.facts.group) for k in diagnosis.keys)
+    ages: dict[int, Histogram] = {}
+    for k in diagnosis.keys:
+        if k.age_s is not None:
+            ages.setdefault(k.facts.group, Histogram()).observe(k.age_s)
+    return {
+        "counts": [[cause, group, n] for (cause, group), n in counts.items()],
+        "ages": {str(group): {"counts": h.counts, "sum": h.total} for group, h in ages.items()},
     }
 
 

@@ -38,6 +38,9 @@ from kvobs.observer import Sink
 SPAN_NAME = "kv_offload.prepare_load"
 EVENT_NAME = "kv_offload.missing_chunks"
 FLUSH_TIMEOUT_MS = 2_000
+MAX_SPAN_KEYS = 1_000
+"""Keys listed per array attribute: a load of 100k keys would make a span of megabytes, over what
+OTLP collectors accept (gRPC: 4 MiB), and the span would be lost. The rest are counted."""
 
 
 def provider_from_env() -> Any | None:
@@ -69,6 +72,7 @@ def provider_from_env() -> Any | None:
 def event_attributes(diagnosis: Diagnosis) -> dict[str, Any]:
     """The structured facts of a failed load as OTel attributes (no None inside arrays)."""
     failure = diagnosis.failure
+    listed = diagnosis.keys[:MAX_SPAN_KEYS]
     attrs: dict[str, Any] = {
         "kv_offload.req_id": failure.req_id,
         "kv_offload.cause": diagnosis.cause,
@@ -76,12 +80,11 @@ def event_attributes(diagnosis: Diagnosis) -> dict[str, Any]:
         "kv_offload.num_missing": len(diagnosis.keys),
         "kv_offload.history.keys": failure.history_keys,
         "kv_offload.history.window_s": failure.history_window_s,
-        "kv_offload.missing.end_tokens": [
-            -1 if k.facts.end_token is None else k.facts.end_token for k in diagnosis.keys
-        ],
-        "kv_offload.missing.seconds_since_eviction": [-1.0 if k.age_s is None else k.age_s for k in diagnosis.keys],
-        "kv_offload.missing.causes": [k.cause for k in diagnosis.keys],
-        "kv_offload.missing.groups": [k.facts.group for k in diagnosis.keys],
+        "kv_offload.missing.end_tokens": [-1 if k.facts.end_token is None else k.facts.end_token for k in listed],
+        "kv_offload.missing.seconds_since_eviction": [-1.0 if k.age_s is None else k.age_s for k in listed],
+        "kv_offload.missing.causes": [k.cause for k in listed],
+        "kv_offload.missing.groups": [k.facts.group for k in listed],
+        "kv_offload.missing.not_listed": len(diagnosis.keys) - len(listed),
     }
     if failure.failing_group is not None:
         attrs["kv_offload.group"] = failure.failing_group

@@ -115,6 +115,27 @@ def _well_typed(record: Mapping[str, Any]) -> bool:
     return True
 
 
+def _summary(raw: Any) -> tuple[list[tuple[str, str, int]], dict[str, tuple[list[int], float]]] | None:
+    """A report's ``missing_summary`` (counts by cause and group, bucketed ages), or None if ill-typed."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("counts"), list) or not isinstance(raw.get("ages"), dict):
+        return None
+    counts: list[tuple[str, str, int]] = []
+    for row in raw["counts"]:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[2], int)
+                and not isinstance(row[2], bool) and row[2] >= 0):
+            return None
+        counts.append((row[0], str(row[1]), row[2]))
+    ages: dict[str, tuple[list[int], float]] = {}
+    for group, hist in raw["ages"].items():
+        buckets = hist.get("counts") if isinstance(hist, dict) else None
+        total = hist.get("sum") if isinstance(hist, dict) else None
+        if not (isinstance(buckets, list) and len(buckets) == len(BUCKETS) + 1 and isinstance(total, int | float)
+                and _number(total) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in buckets)):
+            return None
+        ages[str(group)] = (buckets, float(total))
+    return counts, ages
+
+
 @dataclass
 class EngineState:
     """One ``engine`` label: possibly several processes over time (restarts)."""
@@ -204,6 +225,13 @@ class SidecarState:
         ):
             self.corrupt += 1
             return
+        if "missing_summary" in report:  # every key, aggregated (the list may be cut)
+            summary = _summary(report["missing_summary"])
+            if summary is None:
+                self.corrupt += 1
+                return
+            self._apply_summary(self.engine(engine), *summary)
+            return
         state = self.engine(engine)
         for key in missing:
             group = str(key.get("group"))
@@ -218,6 +246,21 @@ class SidecarState:
                 if hist is None:
                     hist = state.missing_age[group] = Histogram()
                 hist.observe(float(age))
+
+    @staticmethod
+    def _apply_summary(
+        state: EngineState, counts: list[tuple[str, str, int]], ages: dict[str, tuple[list[int], float]]
+    ) -> None:
+        for cause, group, n in counts:
+            if cause in CAUSES:
+                state.groups.add(group)
+                state.missing[(cause, group)] = state.missing.get((cause, group), 0) + n
+        for group, (buckets, total) in ages.items():
+            hist = state.missing_age.get(group)
+            if hist is None:
+                hist = state.missing_age[group] = Histogram()
+            hist.counts = [have + more for have, more in zip(hist.counts, buckets, strict=True)]
+            hist.total += total
 
     # -- checkpoint -------------------------------------------------------------------
 
