@@ -179,8 +179,10 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         wait_for(lambda: prometheus.value('sum(kvobs_evicted_chunks_total{reason="store_failed"})') == 1,
                  what="the failed store scraped")
 
-        wait_for(lambda: prometheus.query("{__name__=~\"vllm[:_]kv_offload_tiering_cascade_job_failures_total\"}"),
-                 what="vLLM's offload series scraped")
+        # Several scrapes of vLLM's series, so each of their rates has samples in the window below.
+        wait_for(lambda: (prometheus.value('min(count_over_time({__name__=~"vllm[:_]kv_offload_'
+                                           'tiering_cascade_job_failures_total"}[1m]))') or 0) >= 6,
+                 what="six scrapes of vLLM's offload series")
 
         # The labels the dashboards rely on came through the shipped scrape config.
         (build,) = prometheus.query('kvobs_build_info{engine="dp0"}')
