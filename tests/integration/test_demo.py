@@ -142,3 +142,12 @@ def test_demo_rejects_bad_sizes_with_a_clear_message() -> None:
     run = subprocess.run([sys.executable, "-m", "kvobs.cli", "demo", "--requests", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--requests: must be a positive integer, got 0" in run.stderr
+
+
+def test_demo_on_a_directory_with_an_earlier_run_says_the_sidecar_counts_both(tmp_path: Path) -> None:
+    first, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
+    assert first.returncode == 0 and "the sidecar agrees" in first.stdout, first.stdout[-2000:]
+    again, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "the sidecar counts this run and the earlier ones in this directory" in again.stdout
+    assert "DISAGREES" not in again.stdout
