@@ -24,7 +24,7 @@ import pytest
 import yaml
 from services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-from vllm_env import cpu_extra, create_manager, key, tiering_extra
+from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key, tiering_extra
 
 import kvobs
 
@@ -119,21 +119,7 @@ def run_workload(cpu: Any, tier: Any) -> None:
     writer, victim, reset_victim = ReqContext("writer"), ReqContext("req-a"), ReqContext("req-r")
     for context in (writer, victim, reset_victim):
         cpu.on_new_request(context)
-    for i in range(10):  # capacity evictions in KV groups 0 and 1
-        keys = [key(100 + 2 * i), key(101 + 2 * i, group=1)]
-        cpu.prepare_store(keys, writer)
-        cpu.complete_store(keys, writer)
-        time.sleep(0.01)
-    victim.set_offload_key_position(key(118), 160)
-    assert cpu.lookup(key(118), victim) is LookupResult.HIT
-    for i in range(2):  # evicts key(118) after req-a's lookup: a near miss
-        keys = [key(500 + 2 * i), key(501 + 2 * i, group=1)]
-        cpu.prepare_store(keys, writer)
-        cpu.complete_store(keys, writer)
-    with pytest.raises(AssertionError, match="cause: evicted_after_lookup"):
-        cpu.prepare_load([key(118)], victim)
-    with pytest.raises(AssertionError, match="cause: coverage_mismatch"):
-        cpu.prepare_load([key(999, group=1)], victim)
+    evicted_after_lookup_then_coverage_mismatch(cpu, writer, victim, pause_s=0.01)  # and a near miss
     reset_victim.set_offload_key_position(key(503, group=1), 48)
     assert cpu.lookup(key(503, group=1), reset_victim) is LookupResult.HIT
     cpu.reset_cache()

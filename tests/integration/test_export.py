@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from services import ROOT, OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, key
+from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 import kvobs
 
@@ -52,20 +52,7 @@ def test_workload_metrics_reach_a_real_prometheus(tmp_path: Path, receiver: Otlp
         writer, victim = ReqContext("writer"), ReqContext("req-a")
         for context in (writer, victim):
             manager.on_new_request(context)
-        for i in range(10):
-            keys = [key(100 + 2 * i), key(101 + 2 * i, group=1)]
-            manager.prepare_store(keys, writer)
-            manager.complete_store(keys, writer)
-        victim.set_offload_key_position(key(118), 160)
-        assert manager.lookup(key(118), victim).name == "HIT"
-        for i in range(2):
-            keys = [key(500 + 2 * i), key(501 + 2 * i, group=1)]
-            manager.prepare_store(keys, writer)
-            manager.complete_store(keys, writer)
-        with pytest.raises(AssertionError, match="cause: evicted_after_lookup"):
-            manager.prepare_load([key(118)], victim)
-        with pytest.raises(AssertionError, match="cause: coverage_mismatch"):
-            manager.prepare_load([key(999, group=1)], victim)
+        evicted_after_lookup_then_coverage_mismatch(manager, writer, victim)
         obs = manager.observer
         assert obs.evicted["capacity"] == 20
 

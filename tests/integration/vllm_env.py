@@ -84,3 +84,31 @@ def create_manager(extra_config: dict[str, Any], *, groups: int = 1) -> Offloadi
 
 def key(i: int, group: int = 0) -> OffloadKey:
     return make_offload_key(i.to_bytes(32, "big"), group)
+
+
+def evicted_after_lookup_then_coverage_mismatch(
+    manager: OffloadingManager, writer: Any, victim: Any, pause_s: float = 0.0
+) -> None:
+    """On a 4-chunk CPU tier: 20 capacity evictions over KV groups 0 and 1 (``pause_s`` between
+    rounds spreads residencies), one of them of a chunk ``victim``'s lookup reported (a near miss),
+    then two failed loads: ``evicted_after_lookup`` and ``coverage_mismatch`` (group 1)."""
+    import time
+
+    import pytest
+
+    for i in range(10):
+        keys = [key(100 + 2 * i), key(101 + 2 * i, group=1)]
+        manager.prepare_store(keys, writer)
+        manager.complete_store(keys, writer)
+        if pause_s:
+            time.sleep(pause_s)
+    victim.set_offload_key_position(key(118), 160)
+    assert manager.lookup(key(118), victim).name == "HIT"
+    for i in range(2):  # evicts key(118) after the victim's lookup
+        keys = [key(500 + 2 * i), key(501 + 2 * i, group=1)]
+        manager.prepare_store(keys, writer)
+        manager.complete_store(keys, writer)
+    with pytest.raises(AssertionError, match="cause: evicted_after_lookup"):
+        manager.prepare_load([key(118)], victim)
+    with pytest.raises(AssertionError, match="cause: coverage_mismatch"):
+        manager.prepare_load([key(999, group=1)], victim)
