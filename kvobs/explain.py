@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvobs.diagnosis import CAUSES
-from kvobs.journal import MAX_REPORT_BYTES, read_report
+from kvobs.journal import MAX_REPORT_BYTES, iter_reports
 from kvobs.keys import decode_key
 
 MAX_LINE_BYTES = 1 << 20
@@ -209,17 +209,10 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
     """Failure reports and journaled removals in a kvobs directory, for each logged key."""
     if not directory.is_dir():
         raise ExplainError(f"--dir {directory}: not a directory (expected the KVOBS_DIR the engines wrote)")
-    failures = directory / "failures"
-    if failures.is_dir():
-        for path in sorted(failures.glob("*.json"), reverse=True):
-            try:
-                report = read_report(path)
-            except (OSError, ValueError):
-                continue
-            report["id"] = path.stem
-            for entry in entries:
-                if _report_matches(report, entry):
-                    entry.reports.append(report)
+    for report in iter_reports(directory / "failures"):
+        for entry in entries:
+            if _report_matches(report, entry):
+                entry.reports.append(report)
     wanted: dict[str, list[LoggedAssertion]] = {}
     for entry in entries:
         ref = entry.key_ref

@@ -179,6 +179,20 @@ def read_report(path: Path) -> dict[str, Any]:
     return report
 
 
+def iter_reports(failures_dir: Path) -> Iterator[dict[str, Any]]:
+    """Readable failure reports, newest first (file names start with the millisecond wall time),
+    each with its ``id`` (the file's stem); unreadable ones are skipped."""
+    if not failures_dir.is_dir():
+        return
+    for path in sorted(failures_dir.glob("*.json"), reverse=True):
+        try:
+            report = read_report(path)
+        except (OSError, ValueError):
+            continue
+        report["id"] = path.stem
+        yield report
+
+
 class JournalSink(Sink):
     """Writes an engine's records for the sidecar; see the module docstring."""
 

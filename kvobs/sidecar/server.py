@@ -10,6 +10,7 @@ connection slot for as long as it likes), request lines and headers capped by
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import socket
 import threading
@@ -23,7 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from kvobs.journal import read_report
+from kvobs.journal import iter_reports
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.render import Unsupported, fast_encoder
@@ -37,20 +38,8 @@ DEFAULT_FAILURES = 100
 
 
 def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
-    """Failure reports, newest first (file names start with the millisecond wall time)."""
-    if not failures_dir.is_dir():
-        return []
-    out: list[dict[str, Any]] = []
-    for path in sorted(failures_dir.glob("*.json"), reverse=True):
-        if len(out) >= limit:
-            break
-        try:
-            report = read_report(path)
-        except (OSError, ValueError):
-            continue
-        report["id"] = path.stem
-        out.append(report)
-    return out
+    """Failure reports, newest first."""
+    return list(itertools.islice(iter_reports(failures_dir), limit))
 
 
 class SidecarServer(ThreadingHTTPServer):
