@@ -261,14 +261,21 @@ class JournalSink(Sink):
                 self.observer.internal_error("journal", exc)
 
     def flush(self, timeout: float = -1, durable: bool = False) -> bool:
-        """Write out what is queued plus current totals; False if the lock was not had in time."""
+        """Write out what is queued plus current totals; False if the lock was not had in time.
+
+        The observer's removal queue is drained first (skipped if another thread is
+        draining it), and the totals are read before the write lock is taken: a
+        writer holding the write lock never waits for the drain lock.
+        """
+        self.observer.drain(block=False)
+        totals = self._encode(("totals",))
         if not self._write_lock.acquire(timeout=timeout):
             return False
         try:
             lines = []
             while self._queue:
                 lines.append(self._encode(self._queue.popleft()))
-            lines.append(self._encode(("totals",)))
+            lines.append(totals)
             try:
                 self._write(("\n".join(lines) + "\n").encode())
             except OSError:

@@ -9,6 +9,7 @@ a sink's failure is counted and logged once, never raised into the caller.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -17,7 +18,8 @@ from typing import NamedTuple
 from kvobs.diagnosis import CAUSES, Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import PATHS, REASONS, EvictionHistory, HistoryStats, Removal
 from kvobs.options import Options
-from kvobs.verdicts import LookupVerdicts, NearMiss, Verdict
+from kvobs.recorder import Record, RecorderLike, new_recorder
+from kvobs.verdicts import NearMiss, Verdict
 
 logger = logging.getLogger("kvobs")
 
@@ -44,6 +46,8 @@ monotonic = time.monotonic
 
 REASON_CODE = {name: code for code, name in enumerate(REASONS)}
 PATH_CODE = {name: code for code, name in enumerate(PATHS)}
+POLL_THREAD_NAME = "vllm_offload_tier_poll"
+"""vLLM's tier-poll thread: removals there have no tapped call above them (path ``poll_thread``)."""
 
 
 class RemovalBatch(NamedTuple):
@@ -71,7 +75,7 @@ class Sink:
     """The ``stage`` label this sink's own faults are counted under (one of STAGES)."""
 
     def on_removal(self, batch: RemovalBatch) -> None:
-        """A removal batch was recorded (called on the thread that removed)."""
+        """A removal batch was recorded (called, in serial order, on the thread that drains the queue)."""
 
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         """Promised chunks were removed before their load."""
@@ -84,25 +88,60 @@ class Sink:
 
 
 class Observer:
-    """Keeps the evidence for one offload manager."""
+    """Keeps the evidence for one offload manager.
 
-    def __init__(self, options: Options | None = None, sinks: Iterable[Sink] = ()) -> None:
+    Removal batches arrive through :attr:`recorder` (the taps' queue) and are
+    folded into the history, the counters and the sinks by :meth:`drain`, in
+    serial order, on whichever thread drains: reading :attr:`history`,
+    :attr:`evicted` or :attr:`batches` drains first, so readers see every
+    removal queued before the read.
+    """
+
+    def __init__(self, options: Options | None = None, sinks: Iterable[Sink] = (), num_stamps: int = 0) -> None:
         self.options = options or Options()
-        self.history = EvictionHistory(self.options.history_size)
-        self.verdicts = LookupVerdicts(self.options.max_verdicts)
+        self._history = EvictionHistory(self.options.history_size)
+        self.recorder: RecorderLike = new_recorder(
+            self.options.max_verdicts, REASONS, num_stamps, self.internal_error, self._drain_from_tap,
+            self._off_thread_path,
+        )
+        self.verdicts = self.recorder.verdicts
         self.sinks: list[Sink] = list(sinks)
         # Every label value present from the start, so readers on other threads
         # can copy these dicts while they change (their size never does).
-        self.evicted: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
-        self.batches: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self._evicted: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self._batches: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self.near_misses: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self.failures: Counter[str] = Counter(dict.fromkeys(CAUSES, 0))
         self.internal_errors: Counter[str] = Counter(dict.fromkeys(STAGES, 0))
         self.last_diagnosis: Diagnosis | None = None
-        self.history_stats: HistoryStats = self.history.stats()
+        self.history_stats: HistoryStats = self._history.stats()
         self._next_stats_at = 0.0
         self._sinks_seen: list[Sink] = []
         self._receivers: list[Sink] = []
+        self._drain_lock = threading.RLock()
+        self._draining = False
+
+    # -- the evidence (drained first) ---------------------------------------
+
+    @property
+    def history(self) -> EvictionHistory:
+        if self.recorder.pending_count:
+            self.drain()
+        return self._history
+
+    @property
+    def evicted(self) -> Counter[str]:
+        """Chunks removed, by reason."""
+        if self.recorder.pending_count:
+            self.drain()
+        return self._evicted
+
+    @property
+    def batches(self) -> Counter[str]:
+        """Removal batches, by reason."""
+        if self.recorder.pending_count:
+            self.drain()
+        return self._batches
 
     # -- recording -------------------------------------------------------
 
@@ -115,30 +154,69 @@ class Observer:
         residency_s: Sequence[float] | None = None,
         now: float | None = None,
     ) -> None:
-        """Record one removal batch from the CPU tier (on the scheduler thread: kept lean)."""
+        """Record one removal batch now (the taps queue theirs through :attr:`recorder` instead)."""
         if now is None:
             now = time.monotonic()
-        serial = self.history.record(keys, REASON_CODE[reason], PATH_CODE[path], req_id, now)
-        self.evicted[reason] += len(keys)
-        self.batches[reason] += 1
-        # A reset whose keys could not be listed still drops every watched chunk.
-        verdicts = self.verdicts
-        broken = verdicts.removed_all(reason) if reason == "reset" and not keys else verdicts.removed(keys, reason)
+        self.recorder.removal(
+            list(keys), REASON_CODE[reason], None if residency_s is None else list(residency_s), now,
+            PATH_CODE[path], req_id,
+        )
+        self.drain()
+
+    def drain(self, block: bool = True) -> None:
+        """Fold every queued removal record, in serial order (``block=False``: skip if another thread is)."""
+        lock = self._drain_lock
+        if not lock.acquire(blocking=block):
+            return
+        try:
+            if self._draining:  # re-entered from a sink on this thread: the outer drain goes on
+                return
+            self._draining = True
+            try:
+                recorder = self.recorder
+                while recorder.pending_count:
+                    self._fold(recorder.take_pending())
+            finally:
+                self._draining = False
+        finally:
+            lock.release()
+
+    def _drain_from_tap(self) -> None:
+        self.drain(block=False)
+
+    def _off_thread_path(self) -> int:
+        return PATH_CODE["poll_thread" if threading.current_thread().name == POLL_THREAD_NAME else "unobserved"]
+
+    def _fold(self, records: list[Record]) -> None:
+        """History, counters and sinks for a run of records (called with the drain lock held)."""
+        history = self._history
+        evicted, batches = self._evicted, self._batches
         receivers = self._removal_receivers()
-        if receivers:
-            batch = RemovalBatch(serial, now, reason, path, req_id, keys, residency_s, broken)
-            for sink in receivers:
-                try:
-                    sink.on_removal(batch)
-                except Exception as exc:  # a sink must never break vLLM
-                    self.internal_error(getattr(sink, "stage", "sink"), exc)
+        now = 0.0
+        for serial, now, reason, path, req_id, keys, residency, broken in records:
+            got = history.record(keys, reason, path, req_id, now)
+            name = REASONS[reason]
+            evicted[name] += len(keys)
+            batches[name] += 1
+            if got != serial:  # the queue and the history disagree: said, never raised
+                self.internal_error("record.removal", RuntimeError(f"history serial {got} != record serial {serial}"))
+            if receivers:
+                batch = RemovalBatch(serial, now, name, PATHS[path], req_id, keys, residency, broken)
+                for sink in receivers:
+                    try:
+                        sink.on_removal(batch)
+                    except Exception as exc:  # a sink must never break vLLM
+                        self.internal_error(getattr(sink, "stage", "sink"), exc)
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
-            self.history_stats = self.history.stats()
+            self.history_stats = history.stats()
 
     def loading(self, req_id: str, keys: Collection[bytes]) -> None:
         """A load by ``req_id`` asks for ``keys``: count the near misses among them."""
-        near = self.verdicts.loaded(req_id, keys)
+        self.near_missed(self.verdicts.loaded(req_id, keys))
+
+    def near_missed(self, near: Sequence[NearMiss]) -> None:
+        """Count and publish near misses (promised chunks removed before the load asked for them)."""
         if not near:
             return
         by_reason: dict[str, list[NearMiss]] = {}
@@ -168,7 +246,7 @@ class Observer:
 
     def reported(self, req_id: str, key: bytes, pending: bool) -> None:
         """A lookup by ``req_id`` answered HIT (or HIT_PENDING) for ``key``."""
-        self.verdicts.reported(req_id, key, _new_verdict(Verdict, (self.history.next_serial, monotonic(), pending)))
+        self.verdicts.reported(req_id, key, _new_verdict(Verdict, (self.recorder.next_serial, monotonic(), pending)))
 
     def not_reported(self, req_id: str, key: bytes) -> None:
         """A later lookup by ``req_id`` answered MISS/RETRY for ``key``."""
@@ -203,9 +281,24 @@ class Observer:
         failing_group: int | None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> Diagnosis:
-        """Diagnose a failed load, log it once, and hand it to every sink."""
+        """Diagnose a failed load and log it once (the history is complete and still while it runs)."""
+        with self._drain_lock:
+            self.drain()
+            return self._diagnose(vllm_message, req_id, num_keys, end_token_range, unloadable, failing_group,
+                                  trace_headers)
+
+    def _diagnose(
+        self,
+        vllm_message: str,
+        req_id: str,
+        num_keys: int,
+        end_token_range: tuple[int, int] | None,
+        unloadable: Sequence[tuple[bytes, int, int | None, str]],
+        failing_group: int | None,
+        trace_headers: Mapping[str, str] | None,
+    ) -> Diagnosis:
         now = time.monotonic()
-        stats = self.history.stats()
+        stats = self._history.stats()
         diagnosis = diagnose(
             LoadFailure(
                 vllm_message=vllm_message,
@@ -248,4 +341,8 @@ class Observer:
                 self.internal_error(getattr(sink, "stage", stage) if stage == "sink" else stage, exc)
 
     def close(self) -> None:
+        try:
+            self.drain()
+        except Exception as exc:
+            self.internal_error("record.removal", exc)
         self._each_sink("shutdown", lambda s: s.close())

@@ -143,10 +143,13 @@ class LookupVerdicts:
         if not watched:
             return 0
         broken = 0
-        for key in [key for key in keys if key in watched]:
-            for req_id in watched.pop(key):
-                self._requests[req_id].broken[key] = reason
-                broken += 1
+        requests = self._requests
+        for key in keys:
+            req_ids = watched.pop(key, None)
+            if req_ids is not None:
+                for req_id in req_ids:
+                    requests[req_id].broken[key] = reason
+                    broken += 1
         return broken
 
     def removed_all(self, reason: str) -> int:

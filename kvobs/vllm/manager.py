@@ -5,14 +5,19 @@ forwarded explicitly (with extra keyword arguments); ``lock`` is forwarded and
 never entered here; ``take_events()`` is returned unchanged; attribute reads and
 writes reach the inner manager. Only ``prepare_load`` ever raises something new:
 vLLM's own AssertionError, same object, with the explanation appended.
+
+How it forwards, cheaply: each method is an instance attribute set at
+construction. Methods kvobs has nothing to record for are the inner manager's
+own bound methods; the others are *taps* from :mod:`kvobs.recorder` (C when
+built) that call the inner method and record around it. The class's methods
+below do the same through those attributes, for callers that go through the
+class.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
-from threading import get_ident
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -32,31 +37,23 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
-from kvobs.observer import Observer
-from kvobs.verdicts import Verdict
-from kvobs.vllm.policy_hook import PolicyHook, on_poll_thread
+from kvobs.observer import PATH_CODE, Observer
+from kvobs.recorder import AFTER_FINISHED, AFTER_NONE, AFTER_PINNED
+from kvobs.vllm.policy_hook import PolicyHook
 from kvobs.vllm.trace_context import TraceHeaders
 
-_new_verdict = tuple.__new__
-monotonic = time.monotonic
-
-_HIT = LookupResult.HIT
-_HIT_PENDING = LookupResult.HIT_PENDING
-
-
-class _Frame:
-    """Which wrapped call is on the stack, for whom and on which thread (read by the policy hook).
-
-    A slotted object set in place: the wrapper pays three slot writes per call, not
-    attribute writes through its own ``__setattr__``.
-    """
-
-    __slots__ = ("path", "req", "thread")
-
-    def __init__(self) -> None:
-        self.path = "unobserved"
-        self.req: ReqContext | None = None
-        self.thread = 0
+PASS_THROUGH = (
+    "get_load_source",
+    "touch",
+    "complete_load",
+    "on_new_request",
+    "take_events",
+    "has_pending_work",
+    "on_reset_flushed",
+    "get_stats",
+    "config_info",
+)
+"""Methods forwarded as the inner manager's own bound methods (nothing to record)."""
 
 
 def cpu_tier_of(manager: OffloadingManager) -> CPUOffloadingManager | None:
@@ -72,16 +69,29 @@ class ObservedOffloadingManager(OffloadingManager):
     """Wraps ``inner``; same results, same exceptions, same events, plus evidence."""
 
     def __init__(self, inner: OffloadingManager, observer: Observer) -> None:
-        object.__setattr__(self, "_kvobs_inner", inner)
-        object.__setattr__(self, "_kvobs_observer", observer)
-        # Which wrapped call is on the stack (read by the policy hook for `path`).
-        object.__setattr__(self, "_kvobs_frame", _Frame())
+        put = object.__setattr__
+        put(self, "_kvobs_inner", inner)
+        put(self, "_kvobs_observer", observer)
         cpu = cpu_tier_of(inner)
-        object.__setattr__(self, "_kvobs_cpu", cpu)
-        # A plain CPU manager's lookup() cannot remove; tiering's can (promotions).
-        object.__setattr__(self, "_kvobs_lookup_removes", not isinstance(inner, CPUOffloadingManager))
-        hook = PolicyHook(cpu, self._kvobs_on_removal) if cpu is not None else None
-        object.__setattr__(self, "_kvobs_hook", hook)
+        put(self, "_kvobs_cpu", cpu)
+        recorder = observer.recorder
+        hook = PolicyHook(cpu, recorder) if cpu is not None else None
+        put(self, "_kvobs_hook", hook)
+        for name in PASS_THROUGH:
+            put(self, name, getattr(inner, name))
+        # A plain CPU manager's lookup() cannot remove; tiering's can (promotions), so it marks its frame.
+        lookup_removes = not isinstance(inner, CPUOffloadingManager)
+        put(self, "lookup", recorder.lookup_tap(
+            inner.lookup, PATH_CODE["lookup"], LookupResult.HIT, LookupResult.HIT_PENDING, lookup_removes))
+        put(self, "prepare_load", recorder.load_tap(inner.prepare_load, self._kvobs_load_failed, observer.near_missed))
+        put(self, "prepare_store", recorder.call_tap(inner.prepare_store, PATH_CODE["store"], 1, AFTER_NONE))
+        put(self, "complete_store", recorder.call_tap(
+            inner.complete_store, PATH_CODE["complete_store"], 1, AFTER_NONE))
+        put(self, "on_request_finished", recorder.call_tap(
+            inner.on_request_finished, PATH_CODE["schedule_end"], 0, AFTER_FINISHED))
+        put(self, "on_schedule_end", recorder.call_tap(
+            inner.on_schedule_end, PATH_CODE["schedule_end"], -1, AFTER_PINNED))
+        put(self, "reset_cache", recorder.call_tap(inner.reset_cache, PATH_CODE["reset"], -1, AFTER_NONE))
 
     # -- attribute transparency ---------------------------------------------
 
@@ -108,72 +118,23 @@ class ObservedOffloadingManager(OffloadingManager):
         """The hooked cache policy of the CPU tier (None for a manager kvobs cannot hook)."""
         return None if self._kvobs_cpu is None else self._kvobs_cpu._policy
 
-    # -- removal reports from the policy hook ----------------------------------
+    def _kvobs_tap(self, name: str) -> Any:
+        return object.__getattribute__(self, "__dict__")[name]
 
-    def _kvobs_on_removal(
-        self, keys: Sequence[bytes], reason: str, residency: Sequence[float] | None, now: float
-    ) -> None:
-        try:
-            frame = self._kvobs_frame
-            if get_ident() == frame.thread:
-                path, req = frame.path, (None if frame.req is None else frame.req.req_id)
-            else:
-                path, req = ("poll_thread" if on_poll_thread() else "unobserved"), None
-            self._kvobs_observer.removed(keys, reason, path, req, residency, now)
-        except Exception as exc:
-            self._kvobs_observer.internal_error("record.removal", exc)
-
-    def _kvobs_enter(self, path: str, req_context: ReqContext | None) -> _Frame:
-        frame = self._kvobs_frame
-        frame.path = path
-        frame.req = req_context
-        frame.thread = get_ident()
-        return frame
-
-    # -- OffloadingManager ------------------------------------------------------
+    # -- OffloadingManager (the instance attributes set above answer first) ------------
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
         return self._kvobs_inner.lock
 
     def lookup(self, key: OffloadKey, req_context: ReqContext, **kwargs: Any) -> LookupResult:
-        if self._kvobs_lookup_removes:
-            frame = self._kvobs_enter("lookup", req_context)
-            try:
-                result = self._kvobs_inner.lookup(key, req_context, **kwargs)
-            finally:
-                frame.thread = 0
-        else:
-            result = self._kvobs_inner.lookup(key, req_context, **kwargs)
-        try:
-            observer = self._kvobs_observer
-            if result is _HIT or result is _HIT_PENDING:  # Observer.reported, inlined (every lookup hit)
-                verdict = _new_verdict(Verdict, (observer.history.next_serial, monotonic(), result is _HIT_PENDING))
-                observer.verdicts.reported(req_context.req_id, key, verdict)
-            else:
-                observer.verdicts.not_reported(req_context.req_id, key)
-        except Exception as exc:
-            self._kvobs_observer.internal_error("record.lookup", exc)
-        return result
+        return self._kvobs_tap("lookup")(key, req_context, **kwargs)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
         return self._kvobs_inner.get_load_source(key, req_context)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        try:
-            spec = self._kvobs_inner.prepare_load(keys, req_context)
-        except AssertionError as exc:
-            self._kvobs_loading(keys, req_context)
-            self._kvobs_explain(exc, keys, req_context)
-            raise
-        self._kvobs_loading(keys, req_context)
-        return spec
-
-    def _kvobs_loading(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        try:
-            self._kvobs_observer.loading(req_context.req_id, keys)
-        except Exception as exc:
-            self._kvobs_observer.internal_error("record.load", exc)
+        return self._kvobs_tap("prepare_load")(keys, req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
         return self._kvobs_inner.touch(keys, req_context)
@@ -182,60 +143,30 @@ class ObservedOffloadingManager(OffloadingManager):
         return self._kvobs_inner.complete_load(keys, req_context)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        frame = self._kvobs_enter("store", req_context)
-        try:
-            return self._kvobs_inner.prepare_store(keys, req_context)
-        finally:
-            frame.thread = 0
+        return self._kvobs_tap("prepare_store")(keys, req_context)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> Any:
-        frame = self._kvobs_enter("complete_store", req_context)
-        try:
-            return self._kvobs_inner.complete_store(keys, req_context, success)
-        finally:
-            frame.thread = 0
+        return self._kvobs_tap("complete_store")(keys, req_context, success)
 
     def on_new_request(self, req_context: ReqContext, **kwargs: Any) -> RequestOffloadingContext:
         return self._kvobs_inner.on_new_request(req_context, **kwargs)
 
     def on_request_finished(self, req_context: ReqContext, **kwargs: Any) -> None:
-        frame = self._kvobs_enter("schedule_end", req_context)
-        try:
-            self._kvobs_inner.on_request_finished(req_context, **kwargs)
-        finally:
-            frame.thread = 0
-        try:
-            self._kvobs_observer.verdicts.finished(req_context.req_id)
-        except Exception as exc:
-            self._kvobs_observer.internal_error("record.finish", exc)
+        self._kvobs_tap("on_request_finished")(req_context, **kwargs)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self._kvobs_inner.take_events()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        frame = self._kvobs_enter("schedule_end", None)
-        try:
-            self._kvobs_inner.on_schedule_end(context)
-        finally:
-            frame.thread = 0
-        try:
-            verdicts = self._kvobs_observer.verdicts
-            for req_id in context.new_req_ids:  # scheduled this step: their loads are prepared
-                verdicts.pinned(req_id)
-        except Exception as exc:
-            self._kvobs_observer.internal_error("record.schedule_end", exc)
+        self._kvobs_tap("on_schedule_end")(context)
 
     def has_pending_work(self) -> bool:
         return self._kvobs_inner.has_pending_work()
 
     def reset_cache(self) -> None:
-        frame = self._kvobs_enter("reset", None)
-        try:
-            self._kvobs_inner.reset_cache()
-        finally:
-            frame.thread = 0
+        self._kvobs_tap("reset_cache")()
 
     def on_reset_flushed(self) -> None:
         self._kvobs_inner.on_reset_flushed()
@@ -254,6 +185,14 @@ class ObservedOffloadingManager(OffloadingManager):
                 self._kvobs_observer.close()
             except Exception as exc:
                 self._kvobs_observer.internal_error("shutdown", exc)
+
+    def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """The load tap's callback on vLLM's assertion: near misses, then the explanation (never raises)."""
+        try:
+            self._kvobs_observer.loading(req_context.req_id, keys)
+        except Exception as fault:
+            self._kvobs_observer.internal_error("record.load", fault)
+        self._kvobs_explain(exc, keys, req_context)
 
     # -- the explanation ------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvobs.observer import Observer
 from kvobs.options import Options, parse_options
-from kvobs.vllm.manager import ObservedOffloadingManager
+from kvobs.vllm.manager import ObservedOffloadingManager, cpu_tier_of
 
 
 def observe(manager: OffloadingManager, **options: Any) -> ObservedOffloadingManager:
@@ -34,7 +34,8 @@ def observe_with_options(manager: OffloadingManager, options: Options) -> Observ
         raise ValueError("this manager is already observed by kvobs")
     if options.engine is None:
         options = dataclasses.replace(options, engine=f"pid{os.getpid()}")
-    observer = Observer(options)
+    cpu = cpu_tier_of(manager)
+    observer = Observer(options, num_stamps=0 if cpu is None else int(cpu._num_chunks))
     if options.dir is not None:
         from kvobs.journal import JournalSink
 

@@ -17,20 +17,21 @@ policy stays the same object of the same class, with the same state. Residency
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from kvobs.history import REASONS
+from kvobs.recorder import RecorderLike
+
 monotonic = time.monotonic
 
-RemovalCallback = Callable[[Sequence[bytes], str, Sequence[float] | None, float], None]
-"""(keys, reason, residency seconds or None, monotonic time) -> None; must not raise."""
-
 _HOOKED = "_kvobs_hooked"
+_STORE_FAILED = REASONS.index("store_failed")
+_RESET = REASONS.index("reset")
 
 
 def resident_chunks(policy: Any) -> list[tuple[bytes, Any]]:
@@ -44,43 +45,32 @@ def resident_chunks(policy: Any) -> list[tuple[bytes, Any]]:
 
 
 class PolicyHook:
-    """Installed once on a CPU-tier manager; reports removals to ``on_removal``."""
+    """Installed once on a CPU-tier manager; queues every removal on ``recorder``.
 
-    def __init__(self, cpu_manager: CPUOffloadingManager, on_removal: RemovalCallback) -> None:
+    Capacity evictions (the hot case) and slot stamps go through the recorder's
+    taps; failed stores and resets (rare) through the closures below.
+    """
+
+    def __init__(self, cpu_manager: CPUOffloadingManager, recorder: RecorderLike) -> None:
         policy = cpu_manager._policy
         if getattr(policy, _HOOKED, False):
             raise ValueError("this manager's cache policy is already observed by kvobs")
         self.policy = policy
-        self._on_removal = on_removal
-        self._stamps: list[float] = [0.0] * max(0, int(cpu_manager._num_chunks))
+        self.recorder = recorder
         self._install(cpu_manager)
 
     def _install(self, manager: CPUOffloadingManager) -> None:
         policy = self.policy
-        evict, remove, clear = policy.evict, policy.remove, policy.clear
-        allocate = manager._allocate_chunks
-        stamps = self._stamps
-        report = self._on_removal
-
-        def hooked_evict(n: int, protected: set[OffloadKey]) -> Any:
-            evicted = evict(n, protected)
-            if evicted:
-                now = monotonic()
-                try:
-                    keys = [key for key, _ in evicted]
-                    slots = [stamps[chunk.chunk_id] for _, chunk in evicted]
-                    report(keys, "capacity", [now - stamp for stamp in slots if stamp], now)
-                except Exception:
-                    pass
-            return evicted
+        recorder = self.recorder
+        remove, clear = policy.remove, policy.clear
 
         def hooked_remove(key: OffloadKey) -> None:
             chunk = policy.get(key)
             remove(key)
-            now = time.monotonic()
+            now = monotonic()
             try:
-                residency = _ages(now, stamps, (chunk,)) if chunk is not None else None
-                report([key], "store_failed", residency, now)
+                residency = recorder.ages((chunk,), now) if chunk is not None else None
+                recorder.removal([key], _STORE_FAILED, residency, now)
             except Exception:
                 pass
 
@@ -90,39 +80,18 @@ class PolicyHook:
             except Exception:
                 resident = []
             clear()
-            now = time.monotonic()
+            now = monotonic()
             try:
-                keys = [key for key, _ in resident]
-                residency = _ages(now, stamps, (chunk for _, chunk in resident))
-                report(keys, "reset", residency, now)
+                residency = recorder.ages((chunk for _, chunk in resident), now)
+                recorder.removal([key for key, _ in resident], _RESET, residency, now)
             except Exception:
                 pass
 
-        def stamped_allocate(keys: list[OffloadKey]) -> Any:
-            chunks = allocate(keys)
-            now = monotonic()
-            for chunk in chunks:
-                stamps[chunk.chunk_id] = now
-            return chunks
-
         # Instance attributes shadow the class's methods; the class is untouched.
-        for name, hook in (("evict", hooked_evict), ("remove", hooked_remove), ("clear", hooked_clear)):
+        for name, hook in (("evict", recorder.evict_tap(policy.evict)), ("remove", hooked_remove),
+                           ("clear", hooked_clear)):
             setattr(policy, name, hook)
         setattr(policy, _HOOKED, True)
-        if stamps:
-            manager._allocate_chunks = stamped_allocate  # type: ignore[method-assign]
+        if int(manager._num_chunks) > 0:
+            manager._allocate_chunks = recorder.allocate_tap(manager._allocate_chunks)  # type: ignore[method-assign]
 
-
-def _ages(now: float, stamps: list[float], chunks: Iterable[Any]) -> list[float]:
-    """Seconds since each chunk's slot was allocated (unstamped slots are skipped)."""
-    ages = []
-    for chunk in chunks:
-        stamp = stamps[chunk.chunk_id]
-        if stamp:
-            ages.append(now - stamp)
-    return ages
-
-
-def on_poll_thread() -> bool:
-    """True on vLLM's tier-poll thread (removals there have no wrapper call above them)."""
-    return threading.current_thread().name == "vllm_offload_tier_poll"
