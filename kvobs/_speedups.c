@@ -31,6 +31,51 @@ static double monotonic_now(void) {
 }
 
 /* ------------------------------------------------------------------------------------------
+ * VCell: one verdict as the lookup tap stores it. Not a GC object: the hundreds of thousands
+ * a busy engine keeps cost the garbage collector nothing. Read out as kvobs.verdicts.Verdict.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    long long serial;
+    double time;
+    char pending;
+} VCell;
+
+static PyTypeObject VCellType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvobs._speedups._VCell",
+    .tp_basicsize = sizeof(VCell),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+static PyObject *VCell_make(long long serial, double time, int pending) {
+    VCell *c = PyObject_New(VCell, &VCellType);
+    if (c == NULL) return NULL;
+    c->serial = serial;
+    c->time = time;
+    c->pending = (char)pending;
+    return (PyObject *)c;
+}
+
+/* A stored verdict as the public Verdict type (a new reference). */
+static PyObject *as_verdict(PyObject *v) {
+    if (Py_IS_TYPE(v, &VCellType) && VerdictType != NULL) {
+        VCell *c = (VCell *)v;
+        PyObject *fields = Py_BuildValue("(LdO)", c->serial, c->time, c->pending ? Py_True : Py_False);
+        if (fields == NULL) return NULL;
+        PyObject *args = PyTuple_Pack(1, fields);
+        Py_DECREF(fields);
+        if (args == NULL) return NULL;
+        PyObject *out = PyTuple_Type.tp_new((PyTypeObject *)VerdictType, args, NULL);
+        Py_DECREF(args);
+        return out;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+/* ------------------------------------------------------------------------------------------
  * ReqState: one request's verdicts (internal)
  * ------------------------------------------------------------------------------------------ */
 
@@ -38,8 +83,10 @@ typedef struct {
     PyObject_HEAD
     PyObject *verdicts; /* dict key -> verdict */
     PyObject *broken;   /* dict key -> removal reason */
+    long long gen;      /* watch generation: watch entries of another generation are stale */
     char watching;
     char incomplete;
+    char alive;         /* 0 once finished (its watch entries are then stale) */
 } ReqState;
 
 static void ReqState_dealloc(ReqState *self) {
@@ -56,18 +103,125 @@ static PyTypeObject ReqStateType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
 };
 
-static ReqState *ReqState_new(void) {
+static ReqState *ReqState_new(long long gen) {
     ReqState *st = PyObject_New(ReqState, &ReqStateType);
     if (st == NULL) return NULL;
     st->verdicts = PyDict_New();
     st->broken = PyDict_New();
+    st->gen = gen;
     st->watching = 1;
     st->incomplete = 0;
+    st->alive = 1;
     if (st->verdicts == NULL || st->broken == NULL) {
         Py_DECREF(st);
         return NULL;
     }
     return st;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * WatchList: who may be watching one key, as (request, generation) pairs.
+ *
+ * The Python reference unwatches every key of a request when its load is pinned
+ * (a set operation per key). Here pinning only flips the request's flag; entries
+ * it leaves behind are stale and dropped when the key is next watched, removed,
+ * or swept. An entry is live when its request is alive, watching, still in the
+ * same generation, and still holds a verdict for the key: the same set of
+ * watchers the reference keeps.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    ReqState *st; /* strong */
+    long long gen;
+} WatchItem;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, cap;
+    WatchItem *items; /* == &one while cap == 1 */
+    WatchItem one;
+} WatchList;
+
+static void WatchList_dealloc(WatchList *self) {
+    for (Py_ssize_t i = 0; i < self->n; i++) Py_DECREF(self->items[i].st);
+    if (self->items != &self->one) PyMem_Free(self->items);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject WatchListType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvobs._speedups._WatchList",
+    .tp_basicsize = sizeof(WatchList),
+    .tp_dealloc = (destructor)WatchList_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+static int watch_live(WatchItem *item, PyObject *key) {
+    ReqState *st = item->st;
+    if (!st->alive || !st->watching || st->gen != item->gen) return 0;
+    return PyDict_Contains(st->verdicts, key);
+}
+
+/* Drop stale entries; 1 if (st, gen) is among the live ones, -1 on error. */
+static int watch_prune(WatchList *wl, PyObject *key, ReqState *st) {
+    Py_ssize_t kept = 0;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < wl->n; i++) {
+        WatchItem item = wl->items[i];
+        if (st != NULL && item.st == st && item.gen == st->gen) { /* the caller's own entry: live */
+            found = 1;
+            wl->items[kept++] = item;
+            continue;
+        }
+        int live = watch_live(&item, key);
+        if (live < 0) {
+            for (Py_ssize_t j = i; j < wl->n; j++) wl->items[kept++] = wl->items[j];
+            wl->n = kept;
+            return -1;
+        }
+        if (live) {
+            wl->items[kept++] = item;
+        } else {
+            Py_DECREF(item.st);
+        }
+    }
+    wl->n = kept;
+    return found;
+}
+
+static int watch_add(PyObject *watched, PyObject *key, ReqState *st) {
+    WatchList *wl = (WatchList *)PyDict_GetItemWithError(watched, key);
+    if (wl == NULL) {
+        if (PyErr_Occurred()) return -1;
+        wl = PyObject_New(WatchList, &WatchListType);
+        if (wl == NULL) return -1;
+        wl->n = 0;
+        wl->cap = 1;
+        wl->items = &wl->one;
+        int rc = PyDict_SetItem(watched, key, (PyObject *)wl);
+        Py_DECREF(wl); /* the dict holds it */
+        if (rc < 0) return -1;
+    } else {
+        int found = watch_prune(wl, key, st);
+        if (found != 0) return found < 0 ? -1 : 0;
+    }
+    if (wl->n == wl->cap) {
+        Py_ssize_t cap = wl->cap * 2;
+        WatchItem *items = PyMem_Malloc((size_t)cap * sizeof(WatchItem));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(items, wl->items, (size_t)wl->n * sizeof(WatchItem));
+        if (wl->items != &wl->one) PyMem_Free(wl->items);
+        wl->items = items;
+        wl->cap = cap;
+    }
+    Py_INCREF(st);
+    wl->items[wl->n].st = st;
+    wl->items[wl->n].gen = st->gen;
+    wl->n++;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -77,11 +231,15 @@ static ReqState *ReqState_new(void) {
 typedef struct {
     PyObject_HEAD
     PyObject *requests; /* dict req_id -> ReqState */
-    PyObject *watched;  /* dict key -> set of req_id */
+    PyObject *watched;  /* dict key -> WatchList */
     Py_ssize_t entries;
     Py_ssize_t dropped;
     Py_ssize_t max_entries;
+    Py_ssize_t sweep_at; /* sweep stale watch entries when `watched` grows past this */
+    long long gen;
 } Verdicts;
+
+#define SWEEP_MIN 4096
 
 static PyTypeObject VerdictsType;
 
@@ -98,6 +256,7 @@ static PyObject *Verdicts_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         return NULL;
     }
     self->max_entries = max_entries;
+    self->sweep_at = SWEEP_MIN;
     return (PyObject *)self;
 }
 
@@ -107,68 +266,83 @@ static void Verdicts_dealloc(Verdicts *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* A stored verdict as the public Verdict type (taps store plain 3-tuples). */
-static PyObject *as_verdict(PyObject *v) {
-    if (VerdictType != NULL && PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 3) {
-        PyObject *args = PyTuple_Pack(1, v);
-        if (args == NULL) return NULL;
-        PyObject *out = PyTuple_Type.tp_new((PyTypeObject *)VerdictType, args, NULL);
-        Py_DECREF(args);
-        return out;
+/* Drop every stale watch entry (bounds `watched` when removals are never seen). */
+static int v_sweep(Verdicts *self) {
+    PyObject *empty = PyList_New(0);
+    if (empty == NULL) return -1;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->watched, &pos, &key, &value)) {
+        WatchList *wl = (WatchList *)value;
+        if (watch_prune(wl, key, NULL) < 0 || (wl->n == 0 && PyList_Append(empty, key) < 0)) {
+            Py_DECREF(empty);
+            return -1;
+        }
     }
-    Py_INCREF(v);
-    return v;
-}
-
-static int dict_discard(PyObject *dict, PyObject *key) {
-    if (PyDict_GET_SIZE(dict) == 0) return 0;
-    int has = PyDict_Contains(dict, key);
-    if (has <= 0) return has;
-    return PyDict_DelItem(dict, key);
-}
-
-static int v_unwatch(Verdicts *self, PyObject *req_id, PyObject *key) {
-    PyObject *watchers = PyDict_GetItemWithError(self->watched, key);
-    if (watchers == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (PySet_Discard(watchers, req_id) < 0) return -1;
-    if (PySet_GET_SIZE(watchers) == 0) return PyDict_DelItem(self->watched, key);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(empty); i++) {
+        if (PyDict_DelItem(self->watched, PyList_GET_ITEM(empty, i)) < 0) {
+            Py_DECREF(empty);
+            return -1;
+        }
+    }
+    Py_DECREF(empty);
+    Py_ssize_t size = PyDict_GET_SIZE(self->watched);
+    self->sweep_at = size * 2 > SWEEP_MIN ? size * 2 : SWEEP_MIN;
     return 0;
 }
 
-static int v_reported(Verdicts *self, PyObject *req_id, PyObject *key, PyObject *verdict) {
+/* A HIT / HIT_PENDING by req_id for key: `verdict`, or (when NULL) a VCell of the given fields,
+ * updated in place when the request already holds one for the key. */
+static int v_report(Verdicts *self, PyObject *req_id, PyObject *key, PyObject *verdict, long long serial,
+                    double time, int pending) {
     ReqState *st = (ReqState *)PyDict_GetItemWithError(self->requests, req_id);
     if (st == NULL) {
         if (PyErr_Occurred()) return -1;
-        st = ReqState_new();
+        st = ReqState_new(++self->gen);
         if (st == NULL) return -1;
         int rc = PyDict_SetItem(self->requests, req_id, (PyObject *)st);
         Py_DECREF(st); /* the dict holds it */
         if (rc < 0) return -1;
     }
-    int has = PyDict_Contains(st->verdicts, key);
-    if (has < 0) return -1;
-    if (!has) {
-        if (self->entries >= self->max_entries) {
-            self->dropped++;
-            st->incomplete = 1;
-            return 0;
+    PyObject *held = PyDict_GetItemWithError(st->verdicts, key);
+    if (held == NULL && PyErr_Occurred()) return -1;
+    if (held == NULL && self->entries >= self->max_entries) {
+        self->dropped++;
+        st->incomplete = 1;
+        return 0;
+    }
+    if (verdict == NULL && held != NULL && Py_IS_TYPE(held, &VCellType)) {
+        VCell *cell = (VCell *)held;
+        cell->serial = serial;
+        cell->time = time;
+        cell->pending = (char)pending;
+    } else {
+        PyObject *value = verdict;
+        if (value == NULL) {
+            value = VCell_make(serial, time, pending);
+            if (value == NULL) return -1;
+        } else {
+            Py_INCREF(value);
         }
+        int rc = PyDict_SetItem(st->verdicts, key, value);
+        Py_DECREF(value);
+        if (rc < 0) return -1;
+        if (held == NULL) self->entries++;
     }
-    if (PyDict_SetItem(st->verdicts, key, verdict) < 0) return -1;
-    if (!has) self->entries++;
-    st->watching = 1;
-    if (dict_discard(st->broken, key) < 0) return -1; /* a fresh promise replaces the broken one */
-    PyObject *watchers = PyDict_GetItemWithError(self->watched, key);
-    if (watchers == NULL) {
-        if (PyErr_Occurred()) return -1;
-        watchers = PySet_New(NULL);
-        if (watchers == NULL) return -1;
-        int rc = PySet_Add(watchers, req_id);
-        if (rc == 0) rc = PyDict_SetItem(self->watched, key, watchers);
-        Py_DECREF(watchers);
-        return rc;
+    if (!st->watching) { /* watched again after a pin: earlier entries stay stale */
+        st->watching = 1;
+        st->gen = ++self->gen;
     }
-    return PySet_Add(watchers, req_id);
+    if (PyDict_GET_SIZE(st->broken) > 0 && PyDict_Contains(st->broken, key) == 1 &&
+        PyDict_DelItem(st->broken, key) < 0) /* a fresh promise replaces the broken one */
+        return -1;
+    if (watch_add(self->watched, key, st) < 0) return -1;
+    if (PyDict_GET_SIZE(self->watched) > self->sweep_at) return v_sweep(self);
+    return 0;
+}
+
+static int v_reported(Verdicts *self, PyObject *req_id, PyObject *key, PyObject *verdict) {
+    return v_report(self, req_id, key, verdict, 0, 0.0, 0);
 }
 
 static int v_not_reported(Verdicts *self, PyObject *req_id, PyObject *key) {
@@ -176,31 +350,32 @@ static int v_not_reported(Verdicts *self, PyObject *req_id, PyObject *key) {
     if (st == NULL) return PyErr_Occurred() ? -1 : 0;
     int has = PyDict_Contains(st->verdicts, key);
     if (has <= 0) return has;
-    if (PyDict_DelItem(st->verdicts, key) < 0) return -1;
+    if (PyDict_DelItem(st->verdicts, key) < 0) return -1; /* its watch entry is now stale */
     self->entries--;
-    if (dict_discard(st->broken, key) < 0) return -1;
-    return v_unwatch(self, req_id, key);
+    if (PyDict_GET_SIZE(st->broken) > 0 && PyDict_Contains(st->broken, key) == 1 &&
+        PyDict_DelItem(st->broken, key) < 0)
+        return -1;
+    return 0;
 }
 
 static int v_pinned(Verdicts *self, PyObject *req_id) {
     ReqState *st = (ReqState *)PyDict_GetItemWithError(self->requests, req_id);
     if (st == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (!st->watching) return 0;
-    st->watching = 0;
-    PyDict_Clear(st->broken);
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(st->verdicts, &pos, &key, &value)) {
-        if (v_unwatch(self, req_id, key) < 0) return -1;
+    if (st->watching) { /* its watch entries are now stale */
+        st->watching = 0;
+        PyDict_Clear(st->broken);
     }
     return 0;
 }
 
 static int v_finished(Verdicts *self, PyObject *req_id) {
-    if (v_pinned(self, req_id) < 0) return -1;
     ReqState *st = (ReqState *)PyDict_GetItemWithError(self->requests, req_id);
     if (st == NULL) return PyErr_Occurred() ? -1 : 0;
+    st->watching = 0;
+    st->alive = 0;
     self->entries -= PyDict_GET_SIZE(st->verdicts);
+    PyDict_Clear(st->verdicts);
+    PyDict_Clear(st->broken);
     return PyDict_DelItem(self->requests, req_id);
 }
 
@@ -265,27 +440,22 @@ static Py_ssize_t v_removed(Verdicts *self, PyObject *keys, PyObject *reason) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        PyObject *req_ids = PyDict_GetItemWithError(self->watched, key);
-        if (req_ids == NULL) {
+        WatchList *wl = (WatchList *)PyDict_GetItemWithError(self->watched, key);
+        if (wl == NULL) {
             if (PyErr_Occurred()) goto fail;
             continue;
         }
-        Py_INCREF(req_ids);
-        if (PyDict_DelItem(self->watched, key) < 0) { Py_DECREF(req_ids); goto fail; }
-        Py_ssize_t pos = 0;
-        PyObject *req_id;
-        Py_hash_t hash;
-        while (_PySet_NextEntry(req_ids, &pos, &req_id, &hash)) {
-            ReqState *st = (ReqState *)PyDict_GetItemWithError(self->requests, req_id);
-            if (st == NULL) {
-                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, req_id);
-                Py_DECREF(req_ids);
+        Py_INCREF(wl);
+        if (PyDict_DelItem(self->watched, key) < 0) { Py_DECREF(wl); goto fail; }
+        for (Py_ssize_t j = 0; j < wl->n; j++) {
+            int live = watch_live(&wl->items[j], key);
+            if (live < 0 || (live && PyDict_SetItem(wl->items[j].st->broken, key, reason) < 0)) {
+                Py_DECREF(wl);
                 goto fail;
             }
-            if (PyDict_SetItem(st->broken, key, reason) < 0) { Py_DECREF(req_ids); goto fail; }
-            broken++;
+            broken += live;
         }
-        Py_DECREF(req_ids);
+        Py_DECREF(wl);
     }
     Py_DECREF(seq);
     return broken;
@@ -367,6 +537,9 @@ static PyObject *Verdicts_removed_all(Verdicts *self, PyObject *reason) {
 }
 
 static PyObject *Verdicts_clear(Verdicts *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->requests, &pos, &key, &value)) ((ReqState *)value)->alive = 0;
     PyDict_Clear(self->requests);
     PyDict_Clear(self->watched);
     self->entries = 0;
@@ -376,6 +549,23 @@ static PyObject *Verdicts_clear(Verdicts *self, PyObject *Py_UNUSED(ignored)) {
 static Py_ssize_t Verdicts_len(Verdicts *self) { return self->entries; }
 
 static PyObject *Verdicts_watched_keys(Verdicts *self, void *Py_UNUSED(closure)) {
+    Py_ssize_t pos = 0, count = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->watched, &pos, &key, &value)) {
+        WatchList *wl = (WatchList *)value;
+        for (Py_ssize_t j = 0; j < wl->n; j++) {
+            int live = watch_live(&wl->items[j], key);
+            if (live < 0) return NULL;
+            if (live) {
+                count++;
+                break;
+            }
+        }
+    }
+    return PyLong_FromSsize_t(count);
+}
+
+static PyObject *Verdicts_watch_entries(Verdicts *self, void *Py_UNUSED(closure)) {
     return PyLong_FromSsize_t(PyDict_GET_SIZE(self->watched));
 }
 
@@ -405,6 +595,7 @@ static PyMemberDef Verdicts_members[] = {
 
 static PyGetSetDef Verdicts_getset[] = {
     {"watched_keys", (getter)Verdicts_watched_keys, NULL, "Keys with an unpinned promise.", NULL},
+    {"watch_entries", (getter)Verdicts_watch_entries, NULL, "Keys in the watch index, stale ones included.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -415,7 +606,7 @@ static PySequenceMethods Verdicts_as_sequence = {
 static PyTypeObject VerdictsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvobs._speedups.Verdicts",
-    .tp_doc = "kvobs.verdicts.LookupVerdicts in C (same behaviour).",
+    .tp_doc = "kvobs.verdicts.LookupVerdicts in C (same behaviour; lazy unwatching).",
     .tp_basicsize = sizeof(Verdicts),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Verdicts_new,
@@ -430,6 +621,38 @@ static PyTypeObject VerdictsType = {
  * Recorder: the frame, the serial, the removal queue, the chunk-slot stamps
  * ------------------------------------------------------------------------------------------ */
 
+#define MAX_REASONS 8
+
+/* A growable byte buffer (the queue's numeric columns). */
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int buf_push(Buf *b, const void *item, Py_ssize_t size) {
+    if (b->len + size > b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap * 2 : 4096;
+        while (cap < b->len + size) cap *= 2;
+        char *data = PyMem_Realloc(b->data, (size_t)cap);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->data = data;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, item, (size_t)size);
+    b->len += size;
+    return 0;
+}
+
+/* The buffer's bytes, and empty it (its memory is kept for the next run). */
+static PyObject *buf_take(Buf *b) {
+    PyObject *out = PyBytes_FromStringAndSize(b->data ? b->data : "", b->len);
+    if (out != NULL) b->len = 0;
+    return out;
+}
+
 typedef struct {
     PyObject_HEAD
     Verdicts *verdicts;
@@ -440,8 +663,15 @@ typedef struct {
     PyObject *off_thread_path; /* off_thread_path() -> int */
     Py_ssize_t drain_keys, drain_batches;
     long long serial;
-    PyObject *pending; /* list of records */
-    Py_ssize_t pending_keys;
+    /* the queue, by column: native int64 / float64 arrays the history reads with np.frombuffer */
+    long long first_serial;
+    Buf p_hashes, p_counts, p_times, p_flags;
+    PyObject *p_reqs;
+    PyObject *p_batches; /* full records, only while keep_batches */
+    Py_ssize_t p_keys, p_resets;
+    int keep_batches;
+    long long evicted[MAX_REASONS], batches[MAX_REASONS];
+    /* the frame: which tapped call is running, for whom, on which thread */
     int path;
     PyObject *req; /* strong, or NULL */
     unsigned long thread;
@@ -450,6 +680,21 @@ typedef struct {
 } Recorder;
 
 static PyTypeObject RecorderType;
+
+static int new_columns(Recorder *r) {
+    PyObject *reqs = PyList_New(0), *batches = PyList_New(0);
+    if (reqs == NULL || batches == NULL) {
+        Py_XDECREF(reqs);
+        Py_XDECREF(batches);
+        return -1;
+    }
+    Py_XSETREF(r->p_reqs, reqs);
+    Py_XSETREF(r->p_batches, batches);
+    r->p_hashes.len = r->p_counts.len = r->p_times.len = r->p_flags.len = 0;
+    r->p_keys = 0;
+    r->p_resets = 0;
+    return 0;
+}
 
 static PyObject *Recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"verdicts", "reasons", "num_stamps", "on_error", "drain", "off_thread_path",
@@ -460,6 +705,7 @@ static PyObject *Recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
                                      &PyTuple_Type, &reasons, &num_stamps, &on_error, &drain, &off_thread_path,
                                      &drain_keys, &drain_batches))
         return NULL;
+    if (PyTuple_GET_SIZE(reasons) > MAX_REASONS) return PyErr_Format(PyExc_ValueError, "too many reasons");
     Py_ssize_t reset = -1;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reasons); i++) {
         PyObject *name = PyTuple_GET_ITEM(reasons, i);
@@ -482,10 +728,9 @@ static PyObject *Recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self->off_thread_path = off_thread_path;
     self->drain_keys = drain_keys;
     self->drain_batches = drain_batches;
-    self->pending = PyList_New(0);
     self->num_stamps = num_stamps;
     self->stamps = PyMem_Calloc(num_stamps ? (size_t)num_stamps : 1, sizeof(double));
-    if (self->pending == NULL || self->stamps == NULL) {
+    if (self->stamps == NULL || new_columns(self) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -498,7 +743,8 @@ static int Recorder_traverse(Recorder *self, visitproc visit, void *arg) {
     Py_VISIT(self->on_error);
     Py_VISIT(self->drain);
     Py_VISIT(self->off_thread_path);
-    Py_VISIT(self->pending);
+    Py_VISIT(self->p_reqs);
+    Py_VISIT(self->p_batches);
     Py_VISIT(self->req);
     return 0;
 }
@@ -509,7 +755,8 @@ static int Recorder_clear(Recorder *self) {
     Py_CLEAR(self->on_error);
     Py_CLEAR(self->drain);
     Py_CLEAR(self->off_thread_path);
-    Py_CLEAR(self->pending);
+    Py_CLEAR(self->p_reqs);
+    Py_CLEAR(self->p_batches);
     Py_CLEAR(self->req);
     return 0;
 }
@@ -518,6 +765,10 @@ static void Recorder_dealloc(Recorder *self) {
     PyObject_GC_UnTrack(self);
     Recorder_clear(self);
     PyMem_Free(self->stamps);
+    PyMem_Free(self->p_hashes.data);
+    PyMem_Free(self->p_counts.data);
+    PyMem_Free(self->p_times.data);
+    PyMem_Free(self->p_flags.data);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -554,17 +805,25 @@ static void frame_exit(Recorder *r) {
     Py_XDECREF(old);
 }
 
+
 /* Queue one removal batch. Steals `keys` (a list) and `residency` (a list or NULL).
- * path < 0: take path and req from the frame. Returns -1 with an exception set on error. */
+ * path < 0: take path and req from the frame. Returns -1 with an exception set on error,
+ * leaving the queue as it was. */
 static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObject *residency, double now,
                           int path, PyObject *req_id) {
-    PyObject *req_id_ref = NULL, *record = NULL;
+    PyObject *req_obj = NULL, *record = NULL;
+    Py_ssize_t lens[6] = {r->p_hashes.len, r->p_counts.len, r->p_times.len, r->p_flags.len,
+                          PyList_GET_SIZE(r->p_reqs), PyList_GET_SIZE(r->p_batches)};
+    if (reason < 0 || reason >= PyTuple_GET_SIZE(r->reasons)) {
+        PyErr_Format(PyExc_ValueError, "bad reason code %zd", reason);
+        goto fail;
+    }
     if (path < 0) {
         if (r->thread != 0 && r->thread == PyThread_get_thread_ident()) {
             path = r->path;
             if (r->req != NULL) {
-                req_id_ref = PyObject_GetAttr(r->req, str_req_id);
-                if (req_id_ref == NULL) goto fail;
+                req_obj = PyObject_GetAttr(r->req, str_req_id);
+                if (req_obj == NULL) goto fail;
             }
         } else {
             PyObject *code = PyObject_CallNoArgs(r->off_thread_path);
@@ -573,55 +832,70 @@ static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObje
             Py_DECREF(code);
             if (path == -1 && PyErr_Occurred()) goto fail;
         }
-    } else if (req_id != NULL && req_id != Py_None) {
+    } else if (req_id != NULL) {
         Py_INCREF(req_id);
-        req_id_ref = req_id;
+        req_obj = req_id;
     }
-    PyObject *reason_name = PyTuple_GetItem(r->reasons, reason);
-    if (reason_name == NULL) goto fail;
+    if (req_obj == NULL) {
+        Py_INCREF(Py_None);
+        req_obj = Py_None;
+    }
     Py_ssize_t nkeys = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < nkeys; i++) {
+        int64_t h = (int64_t)PyObject_Hash(PyList_GET_ITEM(keys, i));
+        if (h == -1 && PyErr_Occurred()) goto rollback;
+        if (buf_push(&r->p_hashes, &h, sizeof h) < 0) goto rollback;
+    }
+    int64_t count = (int64_t)nkeys, flags = (int64_t)reason | ((int64_t)path << 2);
+    if (buf_push(&r->p_counts, &count, sizeof count) < 0 || buf_push(&r->p_times, &now, sizeof now) < 0 ||
+        buf_push(&r->p_flags, &flags, sizeof flags) < 0 || PyList_Append(r->p_reqs, req_obj) < 0)
+        goto rollback;
+    PyObject *reason_name = PyTuple_GET_ITEM(r->reasons, reason);
     Py_ssize_t broken = (reason == r->reset_reason && nkeys == 0) ? v_removed_all(r->verdicts, reason_name)
                                                                     : v_removed(r->verdicts, keys, reason_name);
-    if (broken < 0) goto fail;
-    long long serial = r->serial++;
-    record = PyTuple_New(8);
-    if (record == NULL) goto fail;
-    PyObject *o_serial = PyLong_FromLongLong(serial), *o_now = PyFloat_FromDouble(now);
-    PyObject *o_reason = PyLong_FromSsize_t(reason), *o_path = PyLong_FromLong(path);
-    PyObject *o_broken = PyLong_FromSsize_t(broken);
-    PyTuple_SET_ITEM(record, 0, o_serial);
-    PyTuple_SET_ITEM(record, 1, o_now);
-    PyTuple_SET_ITEM(record, 2, o_reason);
-    PyTuple_SET_ITEM(record, 3, o_path);
-    if (req_id_ref == NULL) {
-        Py_INCREF(Py_None);
-        req_id_ref = Py_None;
+    if (broken < 0) goto rollback;
+    long long serial = r->serial;
+    if (r->keep_batches) {
+        record = Py_BuildValue("(LdnnOOOn)", serial, now, reason, (Py_ssize_t)path, req_obj, keys,
+                               residency ? residency : Py_None, broken);
+        if (record == NULL || PyList_Append(r->p_batches, record) < 0) goto rollback;
+        Py_DECREF(record);
+        record = NULL;
     }
-    PyTuple_SET_ITEM(record, 4, req_id_ref); /* stolen */
-    req_id_ref = NULL;
-    PyTuple_SET_ITEM(record, 5, keys); /* stolen */
-    keys = NULL;
-    if (residency == NULL) {
-        Py_INCREF(Py_None);
-        residency = Py_None;
-    }
-    PyTuple_SET_ITEM(record, 6, residency); /* stolen */
-    residency = NULL;
-    PyTuple_SET_ITEM(record, 7, o_broken);
-    if (!o_serial || !o_now || !o_reason || !o_path || !o_broken) goto fail;
-    if (PyList_Append(r->pending, record) < 0) goto fail;
-    Py_DECREF(record);
-    r->pending_keys += nkeys;
-    if (r->pending_keys >= r->drain_keys || PyList_GET_SIZE(r->pending) >= r->drain_batches) {
+    if (lens[4] == 0) r->first_serial = serial;
+    r->serial = serial + 1;
+    r->p_keys += nkeys;
+    if (reason == r->reset_reason) r->p_resets++;
+    r->evicted[reason] += nkeys;
+    r->batches[reason] += 1;
+    Py_DECREF(keys);
+    Py_XDECREF(residency);
+    Py_DECREF(req_obj);
+    if (r->p_keys >= r->drain_keys || PyList_GET_SIZE(r->p_reqs) >= r->drain_batches) {
         PyObject *res = PyObject_CallNoArgs(r->drain);
         if (res == NULL) report_error(r, stage_removal);
         Py_XDECREF(res);
     }
     return 0;
+rollback: {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        r->p_hashes.len = lens[0];
+        r->p_counts.len = lens[1];
+        r->p_times.len = lens[2];
+        r->p_flags.len = lens[3];
+        PyObject *cols[2] = {r->p_reqs, r->p_batches};
+        for (int i = 0; i < 2; i++) {
+            if (PyList_GET_SIZE(cols[i]) > lens[4 + i] &&
+                PyList_SetSlice(cols[i], lens[4 + i], PY_SSIZE_T_MAX, NULL) < 0)
+                PyErr_Clear();
+        }
+        PyErr_Restore(type, value, tb);
+    }
 fail:
     Py_XDECREF(keys);
     Py_XDECREF(residency);
-    Py_XDECREF(req_id_ref);
+    Py_XDECREF(req_obj);
     Py_XDECREF(record);
     return -1;
 }
@@ -650,12 +924,33 @@ static PyObject *Recorder_removal(Recorder *self, PyObject *args, PyObject *kwds
 }
 
 static PyObject *Recorder_take_pending(Recorder *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *fresh = PyList_New(0);
-    if (fresh == NULL) return NULL;
-    PyObject *out = self->pending;
-    self->pending = fresh;
-    self->pending_keys = 0;
+    PyObject *out = Py_BuildValue("(LNNNNOOn)", self->first_serial, buf_take(&self->p_hashes),
+                                  buf_take(&self->p_counts), buf_take(&self->p_times), buf_take(&self->p_flags),
+                                  self->p_reqs, self->keep_batches || PyList_GET_SIZE(self->p_batches)
+                                  ? self->p_batches : Py_None, self->p_resets);
+    if (out == NULL) return NULL;
+    if (new_columns(self) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
     return out;
+}
+
+static PyObject *Recorder_totals(Recorder *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t n = PyTuple_GET_SIZE(self->reasons);
+    PyObject *evicted = PyTuple_New(n), *batches = PyTuple_New(n);
+    if (evicted == NULL || batches == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyLong_FromLongLong(self->evicted[i]), *b = PyLong_FromLongLong(self->batches[i]);
+        PyTuple_SET_ITEM(evicted, i, e);
+        PyTuple_SET_ITEM(batches, i, b);
+        if (e == NULL || b == NULL) goto fail;
+    }
+    return Py_BuildValue("(NN)", evicted, batches);
+fail:
+    Py_XDECREF(evicted);
+    Py_XDECREF(batches);
+    return NULL;
 }
 
 static int chunk_slot(Recorder *r, PyObject *chunk, Py_ssize_t *slot) {
@@ -708,7 +1003,7 @@ fail:
 
 static PyObject *Recorder_next_serial(Recorder *self, void *Py_UNUSED(c)) { return PyLong_FromLongLong(self->serial); }
 static PyObject *Recorder_pending_count(Recorder *self, void *Py_UNUSED(c)) {
-    return PyLong_FromSsize_t(PyList_GET_SIZE(self->pending));
+    return PyLong_FromSsize_t(PyList_GET_SIZE(self->p_reqs));
 }
 static PyObject *Recorder_get_verdicts(Recorder *self, void *Py_UNUSED(c)) {
     Py_INCREF(self->verdicts);
@@ -729,6 +1024,7 @@ typedef struct {
     Recorder *rec;
     int kind, path, req_pos, after, set_frame;
     PyObject *hit, *hit_pending;     /* lookup */
+    PyObject *last_req, *last_req_id; /* lookup: the request looked up last (its lookups come in runs) */
     PyObject *on_failure, *on_near;  /* load */
 } Tap;
 
@@ -741,6 +1037,8 @@ static int Tap_traverse(Tap *self, visitproc visit, void *arg) {
     Py_VISIT(self->hit_pending);
     Py_VISIT(self->on_failure);
     Py_VISIT(self->on_near);
+    Py_VISIT(self->last_req);
+    Py_VISIT(self->last_req_id);
     return 0;
 }
 
@@ -751,6 +1049,8 @@ static int Tap_clear(Tap *self) {
     Py_CLEAR(self->hit_pending);
     Py_CLEAR(self->on_failure);
     Py_CLEAR(self->on_near);
+    Py_CLEAR(self->last_req);
+    Py_CLEAR(self->last_req_id);
     return 0;
 }
 
@@ -790,21 +1090,23 @@ static PyObject *tap_lookup(Tap *t, PyObject *const *args, size_t nargsf, PyObje
     if (t->set_frame) frame_exit(r);
     if (result == NULL) return NULL;
     PyObject *key = arg_of(args, nargs, kwnames, 0, str_key);
-    PyObject *req_id = require_req_id(req);
+    PyObject *req_id;
+    if (req != NULL && req == t->last_req) {
+        req_id = t->last_req_id;
+        Py_INCREF(req_id);
+    } else {
+        req_id = require_req_id(req);
+        if (req_id != NULL) {
+            Py_INCREF(req);
+            Py_XSETREF(t->last_req, req);
+            Py_INCREF(req_id);
+            Py_XSETREF(t->last_req_id, req_id);
+        }
+    }
     int rc = -1;
     if (req_id != NULL && key != NULL) {
         if (result == t->hit || result == t->hit_pending) {
-            PyObject *verdict = PyTuple_New(3);
-            if (verdict != NULL) {
-                PyObject *s = PyLong_FromLongLong(r->serial), *n = PyFloat_FromDouble(monotonic_now());
-                PyObject *p = result == t->hit_pending ? Py_True : Py_False;
-                Py_INCREF(p);
-                PyTuple_SET_ITEM(verdict, 0, s);
-                PyTuple_SET_ITEM(verdict, 1, n);
-                PyTuple_SET_ITEM(verdict, 2, p);
-                if (s != NULL && n != NULL) rc = v_reported(r->verdicts, req_id, key, verdict);
-                Py_DECREF(verdict);
-            }
+            rc = v_report(r->verdicts, req_id, key, NULL, r->serial, monotonic_now(), result == t->hit_pending);
         } else {
             rc = v_not_reported(r->verdicts, req_id, key);
         }
@@ -909,8 +1211,11 @@ static PyObject *tap_evict(Tap *t, PyObject *const *args, size_t nargsf, PyObjec
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     keys = PyList_New(n);
-    ages = PyList_New(0);
-    if (keys == NULL || ages == NULL) goto fail;
+    if (keys == NULL) goto fail;
+    if (r->keep_batches) { /* residency is only for sinks that take batches (the journal) */
+        ages = PyList_New(0);
+        if (ages == NULL) goto fail;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = items[i];
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
@@ -920,8 +1225,13 @@ static PyObject *tap_evict(Tap *t, PyObject *const *args, size_t nargsf, PyObjec
         PyObject *key = PyTuple_GET_ITEM(pair, 0);
         Py_INCREF(key);
         PyList_SET_ITEM(keys, i, key);
+        if (ages == NULL) continue;
         Py_ssize_t slot;
-        if (chunk_slot(r, PyTuple_GET_ITEM(pair, 1), &slot) < 0) goto fail;
+        if (chunk_slot(r, PyTuple_GET_ITEM(pair, 1), &slot) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_IndexError)) goto fail;
+            PyErr_Clear(); /* a slot never stamped: no age, like an unstamped one */
+            continue;
+        }
         double stamp = r->stamps[slot];
         if (stamp != 0.0) {
             PyObject *age = PyFloat_FromDouble(now - stamp);
@@ -947,7 +1257,7 @@ fail:
 static PyObject *tap_allocate(Tap *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Recorder *r = t->rec;
     PyObject *chunks = PyObject_Vectorcall(t->inner, args, nargsf, kwnames);
-    if (chunks == NULL) return NULL;
+    if (chunks == NULL || !r->keep_batches) return chunks; /* residency only goes to sinks that take batches */
     double now = monotonic_now();
     PyObject *seq = PySequence_Fast(chunks, "allocate must return a sequence");
     if (seq == NULL) {
@@ -1020,7 +1330,7 @@ static Tap *new_tap(Recorder *rec, PyObject *inner, int kind) {
     t->req_pos = -1;
     t->after = AFTER_NONE;
     t->set_frame = 0;
-    t->hit = t->hit_pending = t->on_failure = t->on_near = NULL;
+    t->hit = t->hit_pending = t->on_failure = t->on_near = t->last_req = t->last_req_id = NULL;
     PyObject_GC_Track(t);
     return t;
 }
@@ -1076,7 +1386,9 @@ static PyObject *Recorder_allocate_tap(Recorder *self, PyObject *inner) {
 static PyMethodDef Recorder_methods[] = {
     {"removal", (PyCFunction)(void (*)(void))Recorder_removal, METH_VARARGS | METH_KEYWORDS,
      "Queue one removal batch; mark the promises it breaks now (path -1: from the tapped call)."},
-    {"take_pending", (PyCFunction)Recorder_take_pending, METH_NOARGS, "The queued records, oldest first."},
+    {"take_pending", (PyCFunction)Recorder_take_pending, METH_NOARGS,
+     "(first_serial, hashes, counts, times, flags, reqs, batches or None, resets): the queue, emptied."},
+    {"totals", (PyCFunction)Recorder_totals, METH_NOARGS, "(chunks, batches) removed so far, per reason code."},
     {"ages", (PyCFunction)Recorder_ages, METH_VARARGS, "Seconds since each chunk's slot was allocated."},
     {"lookup_tap", (PyCFunction)Recorder_lookup_tap, METH_VARARGS, "lookup_tap(inner, path, hit, hit_pending, set_frame)"},
     {"call_tap", (PyCFunction)Recorder_call_tap, METH_VARARGS, "call_tap(inner, path, req_pos, after)"},
@@ -1093,6 +1405,11 @@ static PyGetSetDef Recorder_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyMemberDef Recorder_members[] = {
+    {"keep_batches", T_INT, offsetof(Recorder, keep_batches), 0, "Queue full records (keys, residency) for sinks."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject RecorderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvobs._speedups.Recorder",
@@ -1104,6 +1421,7 @@ static PyTypeObject RecorderType = {
     .tp_clear = (inquiry)Recorder_clear,
     .tp_dealloc = (destructor)Recorder_dealloc,
     .tp_methods = Recorder_methods,
+    .tp_members = Recorder_members,
     .tp_getset = Recorder_getset,
 };
 
@@ -1144,7 +1462,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(stage_finish, "record.finish");
     INTERN(stage_schedule_end, "record.schedule_end");
     INTERN(stage_diagnosis, "diagnosis");
-    if (PyType_Ready(&ReqStateType) < 0 || PyType_Ready(&VerdictsType) < 0 || PyType_Ready(&RecorderType) < 0 ||
+    if (PyType_Ready(&VCellType) < 0 || PyType_Ready(&WatchListType) < 0 || PyType_Ready(&ReqStateType) < 0 || PyType_Ready(&VerdictsType) < 0 || PyType_Ready(&RecorderType) < 0 ||
         PyType_Ready(&TapType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&speedups_module);

@@ -107,6 +107,10 @@ class EvictionHistory:
         self._p_times: list[float] = []
         self._p_flags: list[int] = []
         self._p_reqs: list[str | None] = []
+        # Runs of batches handed over column by column (record_columns), as arrays, in order;
+        # the lists above hold what record() added after them.
+        self._p_sealed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str | None]]] = []
+        self._p_sealed_keys = 0
         self._resets: deque[Removal] = deque(maxlen=KEEP_RESETS)
 
     @property
@@ -134,22 +138,80 @@ class EvictionHistory:
         self._p_reqs.append(req_id)
         if reason == _RESET:
             self._resets.append(Removal(serial, now, REASONS[reason], PATHS[path], req_id))
-        if len(hashes) >= _FLUSH_AT_KEYS:
+        if len(hashes) + self._p_sealed_keys >= _FLUSH_AT_KEYS:
             self._fold()
         return serial
 
-    def _fold(self) -> None:
-        """Move pending batches into the rings with a few vectorised writes."""
+    def record_columns(
+        self,
+        first_serial: int,
+        hashes: bytes,
+        counts: bytes,
+        times: bytes,
+        flags: bytes,
+        reqs: list[str | None],
+        resets: int = 0,
+    ) -> None:
+        """Record a run of batches given column by column, as :meth:`record` would one by one.
+
+        ``hashes`` are ``hash(key)`` of every key and ``counts`` the keys per batch (native
+        int64), ``times`` monotonic seconds (float64), ``flags`` ``reason | path << 2`` (int64);
+        the first batch must get ``first_serial``; ``resets`` says how many are resets.
+        """
+        if first_serial != self._next_serial:
+            raise ValueError(f"batch serial {first_serial} where the history expects {self._next_serial}")
+        key_hashes = np.frombuffer(hashes, dtype=np.int64)
+        batch_counts = np.frombuffer(counts, dtype=np.int64)
+        batch_times = np.frombuffer(times, dtype=np.float64)
+        batch_flags = np.frombuffer(flags, dtype=np.int64)
+        n = len(batch_counts)
+        if not (n == len(batch_times) == len(batch_flags) == len(reqs)) or int(batch_counts.sum()) != len(key_hashes):
+            raise ValueError("removal columns of different lengths")
+        if n == 0:
+            return
+        self._seal_open()
+        self._p_sealed.append((key_hashes, batch_counts, batch_times, batch_flags, reqs))
+        self._p_sealed_keys += len(key_hashes)
+        self._next_serial = first_serial + n
+        if resets:
+            for i in np.flatnonzero((batch_flags & 3) == _RESET).tolist():
+                self._resets.append(Removal(
+                    first_serial + i, float(batch_times[i]), REASONS[_RESET], PATHS[int(batch_flags[i]) >> 2], reqs[i]
+                ))
+        if self._p_sealed_keys + len(self._p_hashes) >= _FLUSH_AT_KEYS:
+            self._fold()
+
+    def _seal_open(self) -> None:
+        """Turn what record() added into a sealed run (keeps batch order when both are used)."""
         if not self._p_counts:
             return
-        hashes, counts_list, times, flags, reqs = (
-            self._p_hashes, self._p_counts, self._p_times, self._p_flags, self._p_reqs
-        )
+        self._p_sealed.append((
+            np.array(self._p_hashes, dtype=np.int64),
+            np.array(self._p_counts, dtype=np.int64),
+            np.array(self._p_times, dtype=np.float64),
+            np.array(self._p_flags, dtype=np.int64),
+            self._p_reqs,
+        ))
+        self._p_sealed_keys += len(self._p_hashes)
         self._p_hashes, self._p_counts, self._p_times, self._p_flags, self._p_reqs = [], [], [], [], []
-        n = len(counts_list)
+
+    def _fold(self) -> None:
+        """Move pending batches into the rings with a few vectorised writes."""
+        if not self._p_counts and not self._p_sealed:
+            return
+        self._seal_open()
+        parts, self._p_sealed, self._p_sealed_keys = self._p_sealed, [], 0
+        if len(parts) == 1:
+            hashes, counts, times, flags, reqs = parts[0]
+        else:
+            hashes = np.concatenate([p[0] for p in parts])
+            counts = np.concatenate([p[1] for p in parts])
+            times = np.concatenate([p[2] for p in parts])
+            flags = np.concatenate([p[3] for p in parts])
+            reqs = [req for p in parts for req in p[4]]
+        n = len(counts)
         first_serial = self._batches_folded
         bcap = self.batch_capacity
-        counts = np.array(counts_list, dtype=np.int64)
         start = first_serial % bcap
         if n > bcap:  # only the newest bcap batches keep their details
             skip = n - bcap
@@ -168,7 +230,7 @@ class EvictionHistory:
 
         total = len(hashes)
         if total:
-            fps = np.array(hashes, dtype=np.int64).astype(np.uint32)
+            fps = hashes.astype(np.uint32)
             serials = np.arange(first_serial, first_serial + n, dtype=np.int64).astype(np.uint32)
             key_serials = np.repeat(serials, counts)
             if total > self.capacity:

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvobs.diagnosis import Diagnosis
+from kvobs.history import PATHS, REASONS
 from kvobs.keys import decode_key, key_group
 from kvobs.observer import RemovalBatch, Sink
+from kvobs.recorder import Record
 from kvobs.verdicts import NearMiss
 
 if TYPE_CHECKING:
@@ -205,6 +207,7 @@ class JournalSink(Sink):
         self.observer = observer
         self.engine = observer.options.engine or f"pid{os.getpid()}"
         self._queue: deque[tuple[Any, ...]] = deque()
+        self._queued = 0  # records in the queue (a run of batches counts each)
         self.dropped = 0
         self._write_lock = threading.Lock()
         self._seq = 0
@@ -223,14 +226,19 @@ class JournalSink(Sink):
 
     # -- scheduler thread: O(1), never blocks ---------------------------------------
 
-    def _enqueue(self, record: tuple[Any, ...]) -> None:
-        if len(self._queue) >= QUEUE_RECORDS:
-            self.dropped += 1
+    def _enqueue(self, record: tuple[Any, ...], batches: int = 1) -> None:
+        if self._queued + batches > QUEUE_RECORDS:
+            self.dropped += batches
             return
+        self._queued += batches
         self._queue.append(record)
 
     def on_removal(self, batch: RemovalBatch) -> None:
         self._enqueue(("batch", batch))
+
+    def on_removals(self, records: Sequence[Record]) -> None:
+        """A drained run of batches, queued as one item: turned into lines on the writer thread."""
+        self._enqueue(("records", records), len(records))
 
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         self._enqueue(("near_miss", reason, len(near_misses)))
@@ -272,9 +280,17 @@ class JournalSink(Sink):
         if not self._write_lock.acquire(timeout=timeout):
             return False
         try:
-            lines = []
+            lines: list[str] = []
             while self._queue:
-                lines.append(self._encode(self._queue.popleft()))
+                item = self._queue.popleft()
+                if item[0] == "records":
+                    self._queued -= len(item[1])
+                    lines.extend(self._encode(("batch", RemovalBatch(serial, now, REASONS[reason], PATHS[path], req,
+                                                                     keys, residency, broken)))
+                                 for serial, now, reason, path, req, keys, residency, broken in item[1])
+                else:
+                    self._queued -= 1
+                    lines.append(self._encode(item))
             lines.append(totals)
             try:
                 self._write(("\n".join(lines) + "\n").encode())

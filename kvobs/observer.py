@@ -18,7 +18,7 @@ from typing import NamedTuple
 from kvobs.diagnosis import CAUSES, Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import PATHS, REASONS, EvictionHistory, HistoryStats, Removal
 from kvobs.options import Options
-from kvobs.recorder import Record, RecorderLike, new_recorder
+from kvobs.recorder import Pending, Record, RecorderLike, new_recorder
 from kvobs.verdicts import NearMiss, Verdict
 
 logger = logging.getLogger("kvobs")
@@ -77,6 +77,13 @@ class Sink:
     def on_removal(self, batch: RemovalBatch) -> None:
         """A removal batch was recorded (called, in serial order, on the thread that drains the queue)."""
 
+    def on_removals(self, records: Sequence[Record]) -> None:
+        """Many batches at once, in serial order, as the recorder queued them (``kvobs.recorder.Record``).
+
+        Override this instead of :meth:`on_removal` to take them without a ``RemovalBatch``
+        each (the journal does); the observer calls one or the other, never both.
+        """
+
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         """Promised chunks were removed before their load."""
 
@@ -108,8 +115,6 @@ class Observer:
         self.sinks: list[Sink] = list(sinks)
         # Every label value present from the start, so readers on other threads
         # can copy these dicts while they change (their size never does).
-        self._evicted: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
-        self._batches: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self.near_misses: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self.failures: Counter[str] = Counter(dict.fromkeys(CAUSES, 0))
         self.internal_errors: Counter[str] = Counter(dict.fromkeys(STAGES, 0))
@@ -131,17 +136,13 @@ class Observer:
 
     @property
     def evicted(self) -> Counter[str]:
-        """Chunks removed, by reason."""
-        if self.recorder.pending_count:
-            self.drain()
-        return self._evicted
+        """Chunks removed, by reason (counted as they are queued: no drain needed)."""
+        return Counter(dict(zip(REASONS, self.recorder.totals()[0], strict=True)))
 
     @property
     def batches(self) -> Counter[str]:
         """Removal batches, by reason."""
-        if self.recorder.pending_count:
-            self.drain()
-        return self._batches
+        return Counter(dict(zip(REASONS, self.recorder.totals()[1], strict=True)))
 
     # -- recording -------------------------------------------------------
 
@@ -157,6 +158,7 @@ class Observer:
         """Record one removal batch now (the taps queue theirs through :attr:`recorder` instead)."""
         if now is None:
             now = time.monotonic()
+        self._removal_receivers()  # a sink added since the last drain gets this batch too
         self.recorder.removal(
             list(keys), REASON_CODE[reason], None if residency_s is None else list(residency_s), now,
             PATH_CODE[path], req_id,
@@ -173,6 +175,7 @@ class Observer:
                 return
             self._draining = True
             try:
+                self._removal_receivers()
                 recorder = self.recorder
                 while recorder.pending_count:
                     self._fold(recorder.take_pending())
@@ -187,26 +190,36 @@ class Observer:
     def _off_thread_path(self) -> int:
         return PATH_CODE["poll_thread" if threading.current_thread().name == POLL_THREAD_NAME else "unobserved"]
 
-    def _fold(self, records: list[Record]) -> None:
-        """History, counters and sinks for a run of records (called with the drain lock held)."""
+    def _fold(self, pending: Pending) -> None:
+        """History, sinks and gauges for a run of queued batches (called with the drain lock held)."""
+        first_serial, hashes, counts, times, flags, reqs, records, resets = pending
+        if not counts:
+            return
         history = self._history
-        evicted, batches = self._evicted, self._batches
+        try:
+            history.record_columns(first_serial, hashes, counts, times, flags, reqs, resets)
+        except ValueError as exc:  # the queue and the history disagree: said, never raised
+            self.internal_error("record.removal", exc)
         receivers = self._removal_receivers()
-        now = 0.0
-        for serial, now, reason, path, req_id, keys, residency, broken in records:
-            got = history.record(keys, reason, path, req_id, now)
-            name = REASONS[reason]
-            evicted[name] += len(keys)
-            batches[name] += 1
-            if got != serial:  # the queue and the history disagree: said, never raised
-                self.internal_error("record.removal", RuntimeError(f"history serial {got} != record serial {serial}"))
-            if receivers:
-                batch = RemovalBatch(serial, now, name, PATHS[path], req_id, keys, residency, broken)
-                for sink in receivers:
-                    try:
-                        sink.on_removal(batch)
-                    except Exception as exc:  # a sink must never break vLLM
-                        self.internal_error(getattr(sink, "stage", "sink"), exc)
+        if receivers and records:
+            one_by_one = []
+            for sink in receivers:
+                if type(sink).on_removals is Sink.on_removals and "on_removals" not in getattr(sink, "__dict__", ()):
+                    one_by_one.append(sink)
+                    continue
+                try:
+                    sink.on_removals(records)
+                except Exception as exc:  # a sink must never break vLLM
+                    self.internal_error(getattr(sink, "stage", "sink"), exc)
+            if one_by_one:
+                for serial, now, reason, path, req_id, keys, residency, broken in records:
+                    batch = RemovalBatch(serial, now, REASONS[reason], PATHS[path], req_id, keys, residency, broken)
+                    for sink in one_by_one:
+                        try:
+                            sink.on_removal(batch)
+                        except Exception as exc:  # a sink must never break vLLM
+                            self.internal_error(getattr(sink, "stage", "sink"), exc)
+        now = times[-1]
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
             self.history_stats = history.stats()
@@ -229,6 +242,10 @@ class Observer:
     def _publish_near_misses(self, misses: Sequence[NearMiss], reason: str) -> None:
         self._each_sink("sink", lambda s: s.on_near_miss(misses, reason))
 
+    def refresh_sinks(self) -> None:
+        """Re-read :attr:`sinks` now (it is re-read at every drain anyway): whether batches are kept for them."""
+        self._removal_receivers()
+
     def _removal_receivers(self) -> list[Sink]:
         """The sinks with an ``on_removal`` of their own (re-read whenever ``sinks`` changes).
 
@@ -240,8 +257,10 @@ class Observer:
             self._sinks_seen = list(sinks)
             self._receivers = [
                 s for s in sinks
-                if type(s).on_removal is not Sink.on_removal or "on_removal" in getattr(s, "__dict__", ())
+                if any(getattr(type(s), name) is not getattr(Sink, name) or name in getattr(s, "__dict__", ())
+                       for name in ("on_removal", "on_removals"))
             ]
+            self.recorder.keep_batches = 1 if self._receivers else 0
         return self._receivers
 
     def reported(self, req_id: str, key: bytes, pending: bool) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import Any, Protocol
@@ -38,13 +39,20 @@ monotonic = time.monotonic
 _new_tuple = tuple.__new__
 
 Record = tuple[int, float, int, int, "str | None", list[bytes], "list[float] | None", int]
-"""(serial, monotonic time, reason code, path code, req_id, keys, residency seconds or None, broken promises)."""
+"""One removal batch for sinks: (serial, monotonic time, reason code, path code, req_id, keys,
+residency seconds or None, broken promises). Queued only while ``keep_batches`` is set."""
+
+Pending = tuple[int, bytes, bytes, bytes, bytes, "list[str | None]", "list[Record] | None", int]
+"""The queue as :meth:`PyRecorder.take_pending` hands it over, column by column, numeric columns as
+native int64 / float64 arrays (what ``EvictionHistory.record_columns`` reads): (first serial, key
+hashes, keys per batch, times, flags = reason | path << 2, req_ids, the full records or None, how
+many batches are resets)."""
 
 AFTER_NONE, AFTER_FINISHED, AFTER_PINNED = 0, 1, 2
 """What a call tap does after its call returns: nothing, forget the request, pin the step's new requests."""
 
-DRAIN_KEYS = 4096
-DRAIN_BATCHES = 512
+DRAIN_KEYS = 16_384
+DRAIN_BATCHES = 2_048
 
 
 class RecorderLike(Protocol):
@@ -55,10 +63,14 @@ class RecorderLike(Protocol):
     @property
     def next_serial(self) -> int: ...
 
+    keep_batches: int
+
     @property
     def pending_count(self) -> int: ...
 
-    def take_pending(self) -> list[Record]: ...
+    def take_pending(self) -> Pending: ...
+
+    def totals(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
     def removal(
         self, keys: list[bytes], reason: int, residency: list[float] | None, now: float,
@@ -110,12 +122,25 @@ class PyRecorder:
         self._drain_keys = drain_keys
         self._drain_batches = drain_batches
         self._serial = 0
-        self._pending: list[Record] = []
-        self._pending_keys = 0
+        self.keep_batches = 0
+        self._first_serial = 0
+        self._new_columns()
+        self._evicted = [0] * len(self._reasons)
+        self._batches = [0] * len(self._reasons)
         # Which tapped call is on the stack, for whom, on which thread (removals read it).
         self._path = 0
         self._req: Any = None
         self._thread = 0
+
+    def _new_columns(self) -> None:
+        self._p_hashes = array("q")
+        self._p_counts = array("q")
+        self._p_times = array("d")
+        self._p_flags = array("q")
+        self._p_reqs: list[str | None] = []
+        self._p_batches: list[Record] = []
+        self._p_keys = 0
+        self._p_resets = 0
 
     @property
     def next_serial(self) -> int:
@@ -124,31 +149,52 @@ class PyRecorder:
 
     @property
     def pending_count(self) -> int:
-        return len(self._pending)
+        return len(self._p_reqs)
 
-    def take_pending(self) -> list[Record]:
-        records, self._pending, self._pending_keys = self._pending, [], 0
-        return records
+    def take_pending(self) -> Pending:
+        out = (self._first_serial, self._p_hashes.tobytes(), self._p_counts.tobytes(), self._p_times.tobytes(),
+               self._p_flags.tobytes(), self._p_reqs,
+               self._p_batches if self.keep_batches or self._p_batches else None, self._p_resets)
+        self._new_columns()
+        return out
+
+    def totals(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(self._evicted), tuple(self._batches)
 
     def removal(
         self, keys: list[bytes], reason: int, residency: list[float] | None, now: float,
         path: int = -1, req_id: str | None = None,
     ) -> None:
         """Queue one removal batch; mark the promises it breaks now (``path`` -1: from the tapped call)."""
+        if not 0 <= reason < len(self._reasons):
+            raise ValueError(f"bad reason code {reason}")
         if path < 0:
-            if self._thread == get_ident():
+            if self._thread != 0 and self._thread == get_ident():
                 path = self._path
                 req_id = None if self._req is None else self._req.req_id
             else:
                 path = self._off_thread_path()
+        hashes = [hash(key) for key in keys]
         verdicts = self.verdicts
         name = self._reasons[reason]
         broken = verdicts.removed_all(name) if reason == self._reset and not keys else verdicts.removed(keys, name)
         serial = self._serial
+        if self.keep_batches:
+            self._p_batches.append((serial, now, reason, path, req_id, keys, residency, broken))
+        if not self._p_reqs:
+            self._first_serial = serial
+        self._p_hashes.extend(hashes)
+        self._p_counts.append(len(keys))
+        self._p_times.append(now)
+        self._p_flags.append(reason | (path << 2))
+        self._p_reqs.append(req_id)
         self._serial = serial + 1
-        self._pending.append((serial, now, reason, path, req_id, keys, residency, broken))
-        self._pending_keys += len(keys)
-        if self._pending_keys >= self._drain_keys or len(self._pending) >= self._drain_batches:
+        self._p_keys += len(keys)
+        if reason == self._reset:
+            self._p_resets += 1
+        self._evicted[reason] += len(keys)
+        self._batches[reason] += 1
+        if self._p_keys >= self._drain_keys or len(self._p_reqs) >= self._drain_batches:
             try:
                 self._drain()
             except Exception as exc:
@@ -173,16 +219,18 @@ class PyRecorder:
         on_error = self._on_error
         rec = self
 
-        def lookup(key: Any, req_context: Any, **kwargs: Any) -> Any:
+        def lookup(*args: Any, **kwargs: Any) -> Any:
+            req_context = _req_arg(args, kwargs, 1)
             if set_frame:
                 rec._path, rec._req, rec._thread = path, req_context, get_ident()
                 try:
-                    result = inner(key, req_context, **kwargs)
+                    result = inner(*args, **kwargs)
                 finally:
                     rec._req, rec._thread = None, 0
             else:
-                result = inner(key, req_context, **kwargs)
+                result = inner(*args, **kwargs)
             try:
+                key = args[0] if args else kwargs["key"]
                 if result is hit or result is hit_pending:
                     verdicts.reported(
                         req_context.req_id, key, _new_tuple(Verdict, (rec._serial, monotonic(), result is hit_pending))
@@ -257,7 +305,10 @@ class PyRecorder:
                 try:
                     now = monotonic()
                     keys = [key for key, _ in evicted]
-                    ages = [now - s for _, chunk in evicted if (s := stamps[chunk.chunk_id])]
+                    ages = (
+                        [now - s for _, chunk in evicted if 0 <= (cid := chunk.chunk_id) < len(stamps)
+                         and (s := stamps[cid])] if rec.keep_batches else None
+                    )
                     rec.removal(keys, 0, ages, now)
                 except Exception as exc:
                     rec._on_error("record.removal", exc)
@@ -266,11 +317,14 @@ class PyRecorder:
         return evict
 
     def allocate_tap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self
         stamps = self._stamps
         on_error = self._on_error
 
         def allocate(*args: Any, **kwargs: Any) -> Any:
             chunks = inner(*args, **kwargs)
+            if not rec.keep_batches:  # residency only goes to sinks that take batches
+                return chunks
             try:
                 now = monotonic()
                 for chunk in chunks:
@@ -285,6 +339,18 @@ class PyRecorder:
 def speedups_available() -> bool:
     """True when the C twin is built and not disabled (``KVOBS_PURE_PYTHON=1`` disables it)."""
     return _speedups is not None
+
+
+def speedups_module() -> Any:
+    """The built C twin (``kvobs._speedups``), even when disabled for use; None if not built."""
+    if _speedups is not None:
+        return _speedups
+    try:
+        from kvobs import _speedups as module  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    _configure(module)
+    return module
 
 
 def new_recorder(
@@ -310,10 +376,14 @@ def _load_speedups() -> Any:
         from kvobs import _speedups as module  # type: ignore[attr-defined]
     except ImportError:
         return None
-    from kvobs.verdicts import NearMiss, Verdict
+    _configure(module)
+    return module
+
+
+def _configure(module: Any) -> None:
+    from kvobs.verdicts import NearMiss
 
     module.configure(Verdict, NearMiss)
-    return module
 
 
 _speedups = _load_speedups()

@@ -75,6 +75,7 @@ class ObservedOffloadingManager(OffloadingManager):
         cpu = cpu_tier_of(inner)
         put(self, "_kvobs_cpu", cpu)
         recorder = observer.recorder
+        observer.refresh_sinks()
         hook = PolicyHook(cpu, recorder) if cpu is not None else None
         put(self, "_kvobs_hook", hook)
         for name in PASS_THROUGH:
@@ -85,8 +86,11 @@ class ObservedOffloadingManager(OffloadingManager):
             inner.lookup, PATH_CODE["lookup"], LookupResult.HIT, LookupResult.HIT_PENDING, lookup_removes))
         put(self, "prepare_load", recorder.load_tap(inner.prepare_load, self._kvobs_load_failed, observer.near_missed))
         put(self, "prepare_store", recorder.call_tap(inner.prepare_store, PATH_CODE["store"], 1, AFTER_NONE))
-        put(self, "complete_store", recorder.call_tap(
-            inner.complete_store, PATH_CODE["complete_store"], 1, AFTER_NONE))
+        if lookup_removes:  # tiering: its complete_store cascades to other tiers; keep the frame
+            put(self, "complete_store", recorder.call_tap(
+                inner.complete_store, PATH_CODE["complete_store"], 1, AFTER_NONE))
+        else:  # a CPU manager removes there only failed stores, which find their caller (policy_hook)
+            put(self, "complete_store", inner.complete_store)
         put(self, "on_request_finished", recorder.call_tap(
             inner.on_request_finished, PATH_CODE["schedule_end"], 0, AFTER_FINISHED))
         put(self, "on_schedule_end", recorder.call_tap(

@@ -17,14 +17,16 @@ policy stays the same object of the same class, with the same state. Residency
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvobs.history import REASONS
+from kvobs.history import PATHS, REASONS
 from kvobs.recorder import RecorderLike
 
 monotonic = time.monotonic
@@ -32,6 +34,26 @@ monotonic = time.monotonic
 _HOOKED = "_kvobs_hooked"
 _STORE_FAILED = REASONS.index("store_failed")
 _RESET = REASONS.index("reset")
+_COMPLETE_STORE = PATHS.index("complete_store")
+_CALLER_DEPTH = 4
+
+
+def _failed_store_caller(frame: FrameType | None) -> tuple[int, str | None]:
+    """(path, req_id) of the ``complete_store`` that removes a failed store, from its frame.
+
+    vLLM 0.33.0 calls ``policy.remove`` only from ``CPUOffloadingManager.complete_store``
+    (notes §1); kvobs forwards a CPU manager's ``complete_store`` untapped (it costs
+    nothing on the hot path), so this rare removal finds its request on the stack.
+    (-1, None) when there is no such caller: the recorder then uses its frame.
+    """
+    for _ in range(_CALLER_DEPTH):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "complete_store":
+            req = frame.f_locals.get("req_context")
+            return _COMPLETE_STORE, getattr(req, "req_id", None)
+        frame = frame.f_back
+    return -1, None
 
 
 def resident_chunks(policy: Any) -> list[tuple[bytes, Any]]:
@@ -69,8 +91,9 @@ class PolicyHook:
             remove(key)
             now = monotonic()
             try:
-                residency = recorder.ages((chunk,), now) if chunk is not None else None
-                recorder.removal([key], _STORE_FAILED, residency, now)
+                residency = recorder.ages((chunk,), now) if chunk is not None and recorder.keep_batches else None
+                path, req_id = _failed_store_caller(sys._getframe(1))
+                recorder.removal([key], _STORE_FAILED, residency, now, path, req_id)
             except Exception:
                 pass
 
