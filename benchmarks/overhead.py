@@ -446,9 +446,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for manager in args.managers.split(","):
         counts = results[manager]["counts"]
         print(f"  {manager}: {counts}")
-    worst = max(results[m][s]["thread_ratio"] for m in args.managers.split(",") for s in SIDES[1:])
-    print(f"\n  target: observed/bare <= {TARGET_RATIO} (scheduler thread) -> worst {worst:.3f}: "
-          f"{'MET' if worst <= TARGET_RATIO else 'MISSED'}")
+    managers = args.managers.split(",")
+    worst = max(results[m]["observed"]["thread_ratio"] for m in managers)
+    print(f"\n  target (issue 6): observed/bare <= {TARGET_RATIO} on the scheduler thread, kvobs.observe() with its "
+          f"defaults -> worst {worst:.3f}: {'MET' if worst <= TARGET_RATIO else 'MISSED'}")
+    journal = max(results[m]["observed+journal"]["thread_ratio"] for m in managers)
+    print(f"  with the journal (dir=..., what the sidecar reads): worst {journal:.3f} on the scheduler thread "
+          f"({'within' if journal <= TARGET_RATIO else 'over'} {TARGET_RATIO}; the writer thread's own CPU is in "
+          "the process ratio)")
+    results["target_met"] = worst <= TARGET_RATIO
     write_json(args.json, "overhead", results)
     return results
 
