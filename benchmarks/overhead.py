@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--managers", default="cpu,tiering")
     args = parser.parse_args(argv)
-    runs = args.runs or (1 if args.quick else 9)
+    runs = args.runs or (1 if args.quick else 15)
     workload = Workload(steps=args.steps or (40 if args.quick else Workload.steps))
     results: dict[str, Any] = {"runs": runs, "workload": workload.__dict__, "target_ratio": TARGET_RATIO}
     rows = []

@@ -17,7 +17,7 @@ class.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from contextlib import AbstractContextManager
+from operator import attrgetter
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -127,9 +127,8 @@ class ObservedOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager (the instance attributes set above answer first) ------------
 
-    @property
-    def lock(self) -> AbstractContextManager[Any]:
-        return self._kvobs_inner.lock
+    # The inner manager's lock, read without a Python frame (vLLM takes it every step).
+    lock = property(attrgetter("_kvobs_inner.lock"), doc="The inner manager's lock (never entered by kvobs).")
 
     def lookup(self, key: OffloadKey, req_context: ReqContext, **kwargs: Any) -> LookupResult:
         return self._kvobs_tap("lookup")(key, req_context, **kwargs)
