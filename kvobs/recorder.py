@@ -27,6 +27,7 @@ same checks against both.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -121,6 +122,7 @@ class PyRecorder:
         self._off_thread_path = off_thread_path
         self._drain_keys = drain_keys
         self._drain_batches = drain_batches
+        self._lock = threading.Lock()
         self._serial = 0
         self.keep_batches = 0
         self._first_serial = 0
@@ -152,6 +154,10 @@ class PyRecorder:
         return len(self._p_reqs)
 
     def take_pending(self) -> Pending:
+        with self._lock:
+            return self._take_pending()
+
+    def _take_pending(self) -> Pending:
         out = (self._first_serial, self._p_hashes.tobytes(), self._p_counts.tobytes(), self._p_times.tobytes(),
                self._p_flags.tobytes(), self._p_reqs,
                self._p_batches if self.keep_batches or self._p_batches else None, self._p_resets)
@@ -177,24 +183,28 @@ class PyRecorder:
         hashes = [hash(key) for key in keys]
         verdicts = self.verdicts
         name = self._reasons[reason]
-        broken = verdicts.removed_all(name) if reason == self._reset and not keys else verdicts.removed(keys, name)
-        serial = self._serial
-        if self.keep_batches:
-            self._p_batches.append((serial, now, reason, path, req_id, keys, residency, broken))
-        if not self._p_reqs:
-            self._first_serial = serial
-        self._p_hashes.extend(hashes)
-        self._p_counts.append(len(keys))
-        self._p_times.append(now)
-        self._p_flags.append(reason | (path << 2))
-        self._p_reqs.append(req_id)
-        self._serial = serial + 1
-        self._p_keys += len(keys)
-        if reason == self._reset:
-            self._p_resets += 1
-        self._evicted[reason] += len(keys)
-        self._batches[reason] += 1
-        if self._p_keys >= self._drain_keys or len(self._p_reqs) >= self._drain_batches:
+        # Atomic as the C twin's is under the GIL: a drain on another thread (the journal's writer)
+        # must never take the columns half-appended.
+        with self._lock:
+            broken = verdicts.removed_all(name) if reason == self._reset and not keys else verdicts.removed(keys, name)
+            serial = self._serial
+            if self.keep_batches:
+                self._p_batches.append((serial, now, reason, path, req_id, keys, residency, broken))
+            if not self._p_reqs:
+                self._first_serial = serial
+            self._p_hashes.extend(hashes)
+            self._p_counts.append(len(keys))
+            self._p_times.append(now)
+            self._p_flags.append(reason | (path << 2))
+            self._p_reqs.append(req_id)
+            self._serial = serial + 1
+            self._p_keys += len(keys)
+            if reason == self._reset:
+                self._p_resets += 1
+            self._evicted[reason] += len(keys)
+            self._batches[reason] += 1
+            full = self._p_keys >= self._drain_keys or len(self._p_reqs) >= self._drain_batches
+        if full:
             try:
                 self._drain()
             except Exception as exc:

@@ -304,3 +304,37 @@ def test_observer_with_c_taps_is_collected() -> None:
     del observer, tap
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_a_drain_on_another_thread_never_sees_a_half_queued_batch(impl: str) -> None:
+    """The journal's writer drains while the scheduler thread queues: every run it takes is whole."""
+    import sys
+    import threading
+
+    recorder_cls, verdicts = (PyRecorder, LookupVerdicts()) if impl == "python" else (C.Recorder, C.Verdicts())
+    rec = recorder_cls(verdicts, REASONS, 0, lambda stage, exc: None, lambda: None, lambda: 0, 10**9, 10**9)
+    torn: list[Any] = []
+    taken = [0]
+    done = threading.Event()
+
+    def writer() -> None:
+        while not done.is_set() or rec.pending_count:
+            _first, hashes, counts, times, flags, reqs, _records, _resets = rec.take_pending()
+            n = len(reqs)
+            if not (len(counts) == len(times) == len(flags) == 8 * n) or len(hashes) != 8 * 3 * n:
+                torn.append((len(hashes), len(counts), len(times), len(flags), n))
+            taken[0] += n
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for i in range(20_000):
+            rec.removal(KEYS[:3], 0, None, float(i), 0, "r")
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    assert torn == [] and taken[0] == 20_000
