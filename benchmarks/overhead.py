@@ -352,6 +352,43 @@ def replay_once(trace: Trace, side: str, journal_dir: Path | None) -> tuple[floa
     return t1 - t0, p1 - p0
 
 
+SLICE_CALLS = 500
+"""Calls per slice of an interleaved replay: a few milliseconds of the bare manager's CPU."""
+
+
+def replay_interleaved(trace: Trace, journal_dir: Path) -> dict[str, float]:
+    """Scheduler-thread CPU s per side, all sides replaying the trace slice by slice in turn.
+
+    Whole replays taken one after the other see the shared machine's load change between
+    them (seconds-scale swings of +-10% here); slices of a few milliseconds, with the side
+    that goes first rotating, put every side under the same load. Each side keeps its own
+    managers and request contexts; the garbage collector runs as usual (a collection lands in
+    whichever slice triggers it).
+    """
+    bound: dict[str, tuple[OffloadingManager, list[tuple[Callable[..., Any], tuple]]]] = {}
+    for side in SIDES:
+        m = build(trace, side, journal_dir)
+        bound[side] = (m, bind(m, trace.ops, [make_context(i, p) for i, p in enumerate(trace.positions)]))
+    totals = dict.fromkeys(SIDES, 0.0)
+    starts = range(0, len(trace.ops), SLICE_CALLS)
+    gc.collect()
+    gc.freeze()
+    try:
+        for k, start in enumerate(starts):
+            order = SIDES[k % len(SIDES):] + SIDES[: k % len(SIDES)]
+            for side in order:
+                calls = bound[side][1][start : start + SLICE_CALLS]
+                t0 = time.thread_time()
+                for call, args in calls:
+                    call(*args)
+                totals[side] += time.thread_time() - t0
+    finally:
+        gc.unfreeze()
+        for m, _ in bound.values():
+            m.shutdown()
+    return totals
+
+
 def _journal_sink(m: OffloadingManager) -> Any:
     observer = getattr(m, "observer", None)
     if observer is None:
@@ -408,6 +445,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             check_identical(trace)
             thread: dict[str, list[float]] = {s: [] for s in SIDES}
             process: dict[str, list[float]] = {s: [] for s in SIDES}
+            sliced: dict[str, list[float]] = {s: [] for s in SIDES}
             if not args.quick:
                 replay_once(trace, "observed+journal", Path(tmp) / f"{manager}-warm")  # warm caches, imports
             for run in range(runs):
@@ -416,13 +454,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     t, p = replay_once(trace, side, Path(tmp) / f"{manager}-{run}")
                     thread[side].append(t)
                     process[side].append(p)
+                for side, t in replay_interleaved(trace, Path(tmp) / f"{manager}-{run}-sliced").items():
+                    sliced[side].append(t)
             calls = len(trace.ops)
-            res: dict[str, Any] = {"calls": calls, "counts": trace.counts, "thread_s": thread, "process_s": process}
+            res: dict[str, Any] = {"calls": calls, "counts": trace.counts, "thread_s": thread, "process_s": process,
+                                   "interleaved_thread_s": sliced}
             bare_t = median(thread["bare"])
             for side in SIDES:
                 rt = median(paired_ratios(thread[side], thread["bare"]))
                 rp = median(paired_ratios(process[side], process["bare"]))
-                res[side] = {"thread_ratio": rt, "process_ratio": rp}
+                ri = paired_ratios(sliced[side], sliced["bare"])
+                res[side] = {"thread_ratio": rt, "process_ratio": rp, "interleaved_ratio": median(ri),
+                             "interleaved_ratio_spread": spread(ri)}
                 rows.append(
                     (
                         manager,
@@ -432,6 +475,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         spread(thread[side]),
                         1e3 * median(process[side]),
                         rt,
+                        median(ri),
+                        spread(ri),
                         rp,
                         1e6 * (median(thread[side]) - bare_t) / calls,
                     )
@@ -440,17 +485,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(
         f"Overhead: replayed scheduler workload, {runs} interleaved runs per side "
         "(medians; ratio = median of paired ratios)",
-        ("manager", "side", "calls", "thread ms", "spread", "process ms", "thread ratio", "process ratio", "+us/call"),
+        ("manager", "side", "calls", "thread ms", "spread", "process ms", "thread ratio", "sliced ratio",
+         "its spread", "process ratio", "+us/call"),
         rows,
     )
     for manager in args.managers.split(","):
         counts = results[manager]["counts"]
         print(f"  {manager}: {counts}")
     managers = args.managers.split(",")
-    worst = max(results[m]["observed"]["thread_ratio"] for m in managers)
+    worst = max(results[m]["observed"]["interleaved_ratio"] for m in managers)
+    whole = max(results[m]["observed"]["thread_ratio"] for m in managers)
     print(f"\n  target (issue 6): observed/bare <= {TARGET_RATIO} on the scheduler thread, kvobs.observe() with its "
-          f"defaults -> worst {worst:.3f}: {'MET' if worst <= TARGET_RATIO else 'MISSED'}")
-    journal = max(results[m]["observed+journal"]["thread_ratio"] for m in managers)
+          f"defaults -> worst {worst:.3f} (interleaved slices; {whole:.3f} from whole replays): "
+          f"{'MET' if worst <= TARGET_RATIO else 'MISSED'}")
+    journal = max(results[m]["observed+journal"]["interleaved_ratio"] for m in managers)
     print(f"  with the journal (dir=..., what the sidecar reads): worst {journal:.3f} on the scheduler thread "
           f"({'within' if journal <= TARGET_RATIO else 'over'} {TARGET_RATIO}; the writer thread's own CPU is in "
           "the process ratio)")
