@@ -206,6 +206,11 @@ class JournalSink(Sink):
         self.failures_dir = private_dir(self.root / "failures")
         self.observer = observer
         self.engine = observer.options.engine or f"pid{os.getpid()}"
+        self._engine_json = json.dumps(self.engine)
+        self._group_names: dict[bytes, str] = {}  # 4-byte group suffix -> its decimal text
+        self._pid = os.getpid()
+        self._last_req: str | None = None  # the request id of the last batch line, and its JSON
+        self._last_req_json = "null"
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each)
         self.dropped = 0
@@ -285,9 +290,14 @@ class JournalSink(Sink):
                 item = self._queue.popleft()
                 if item[0] == "records":
                     self._queued -= len(item[1])
-                    lines.extend(self._encode(("batch", RemovalBatch(serial, now, REASONS[reason], PATHS[path], req,
-                                                                     keys, residency, broken)))
-                                 for serial, now, reason, path, req, keys, residency, broken in item[1])
+                    encode = self._encode_batch
+                    lines.extend(encode(serial, now, REASONS[reason], PATHS[path], req, keys, residency)
+                                 for serial, now, reason, path, req, keys, residency, _ in item[1])
+                elif item[0] == "batch":
+                    self._queued -= 1
+                    b = item[1]
+                    lines.append(self._encode_batch(b.serial, b.time, b.reason, b.path, b.req_id, b.keys,
+                                                    b.residency_s))
                 else:
                     self._queued -= 1
                     lines.append(self._encode(item))
@@ -391,6 +401,37 @@ class JournalSink(Sink):
             rest["res"] = [round(a, 6) for a in residency_s[start : start + RESIDENCIES_PER_RECORD]]
             lines.append(json.dumps(rest, separators=(",", ":")))
         return "\n".join(lines)
+
+    def _encode_batch(
+        self, serial: int, now: float, reason: str, path: str, req_id: str | None, keys: Sequence[bytes],
+        residency_s: Sequence[float] | None,
+    ) -> str:
+        """One batch line, the same text ``_encode(("batch", ...))`` writes, built directly.
+
+        The writer encodes every removal batch (about 13 us each through a dict and
+        ``json.dumps``, about 4 us this way); only the request id needs JSON escaping.
+        """
+        if (residency_s and len(residency_s) > RESIDENCIES_PER_RECORD) or any(len(k) < 12 for k in keys):
+            return self._encode(("batch", RemovalBatch(serial, now, reason, path, req_id, keys, residency_s)))
+        groups: dict[bytes, int] = {}
+        for key in keys:
+            suffix = key[-4:]
+            groups[suffix] = groups.get(suffix, 0) + 1
+        names = self._group_names
+        for suffix in groups:
+            if suffix not in names:
+                names[suffix] = str(int.from_bytes(suffix, "big"))
+        g = ",".join(f'"{names[suffix]}":{n}' for suffix, n in groups.items())
+        # A finite float's repr is its JSON text (as json.dumps writes it).
+        res = ",".join([repr(round(a, 6)) for a in residency_s]) if residency_s else ""
+        refs = '","'.join([f"{k[:8].hex()}/{names[k[-4:]]}" for k in keys[:KEYS_PER_RECORD]])
+        if req_id != self._last_req:
+            self._last_req, self._last_req_json = req_id, json.dumps(req_id)
+        return (
+            f'{{"k":"batch","e":{self._engine_json},"pid":{self._pid},"t":{now + self._wall_offset!r},'
+            f'"s":{serial},"r":"{reason}","p":"{path}","req":{self._last_req_json},"n":{len(keys)},'
+            f'"g":{{{g}}},"res":[{res}],"keys":{f"[{chr(34)}{refs}{chr(34)}]" if keys else "[]"}}}'
+        )
 
     def _encode(self, record: tuple[Any, ...]) -> str:
         kind = record[0]
