@@ -772,11 +772,14 @@ static void Recorder_dealloc(Recorder *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Hand the pending exception to on_error(stage, exc); never leaves an exception set. */
-static void report_error(Recorder *r, PyObject *stage) {
+/* Hand the pending exception, a fault of kvobs's own, to on_error(stage, exc) and clear it: 0.
+ * An exception that is not an Exception (KeyboardInterrupt, SystemExit) is left set: -1, and the
+ * caller lets it propagate, as the Python reference's `except Exception` does. */
+static int report_error(Recorder *r, PyObject *stage) {
     PyObject *type, *value, *tb;
+    if (!PyErr_Occurred()) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
     PyErr_Fetch(&type, &value, &tb);
-    if (type == NULL) return;
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
     if (r->on_error != NULL) {
@@ -787,6 +790,17 @@ static void report_error(Recorder *r, PyObject *stage) {
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
+    return 0;
+}
+
+/* report_error for a tap that got `result` from vLLM: the result, or NULL if an exception
+ * that must propagate is set (the result is then dropped). */
+static PyObject *reported(Recorder *r, PyObject *stage, PyObject *result) {
+    if (report_error(r, stage) < 0) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    return result;
 }
 
 static void frame_enter(Recorder *r, int path, PyObject *req) {
@@ -812,8 +826,8 @@ static void frame_exit(Recorder *r) {
 static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObject *residency, double now,
                           int path, PyObject *req_id) {
     PyObject *req_obj = NULL, *record = NULL;
-    Py_ssize_t lens[6] = {r->p_hashes.len, r->p_counts.len, r->p_times.len, r->p_flags.len,
-                          PyList_GET_SIZE(r->p_reqs), PyList_GET_SIZE(r->p_batches)};
+    int64_t *hashes = NULL;
+    Py_ssize_t lens[6];
     if (reason < 0 || reason >= PyTuple_GET_SIZE(r->reasons)) {
         PyErr_Format(PyExc_ValueError, "bad reason code %zd", reason);
         goto fail;
@@ -821,8 +835,11 @@ static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObje
     if (path < 0) {
         if (r->thread != 0 && r->thread == PyThread_get_thread_ident()) {
             path = r->path;
-            if (r->req != NULL) {
-                req_obj = PyObject_GetAttr(r->req, str_req_id);
+            if (r->req != NULL && r->req != Py_None) {
+                PyObject *req = r->req;
+                Py_INCREF(req); /* req_id may be computed by Python code that ends the frame */
+                req_obj = PyObject_GetAttr(req, str_req_id);
+                Py_DECREF(req);
                 if (req_obj == NULL) goto fail;
             }
         } else {
@@ -840,12 +857,25 @@ static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObje
         Py_INCREF(Py_None);
         req_obj = Py_None;
     }
+    /* Everything that can run Python code (and so let another thread queue or drain) is done
+     * above and here, before the queue's lengths are noted: from there on nothing switches. */
     Py_ssize_t nkeys = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < nkeys; i++) {
-        int64_t h = (int64_t)PyObject_Hash(PyList_GET_ITEM(keys, i));
-        if (h == -1 && PyErr_Occurred()) goto rollback;
-        if (buf_push(&r->p_hashes, &h, sizeof h) < 0) goto rollback;
+    hashes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(int64_t));
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        goto fail;
     }
+    for (Py_ssize_t i = 0; i < nkeys; i++) {
+        hashes[i] = (int64_t)PyObject_Hash(PyList_GET_ITEM(keys, i));
+        if (hashes[i] == -1 && PyErr_Occurred()) goto fail;
+    }
+    lens[0] = r->p_hashes.len;
+    lens[1] = r->p_counts.len;
+    lens[2] = r->p_times.len;
+    lens[3] = r->p_flags.len;
+    lens[4] = PyList_GET_SIZE(r->p_reqs);
+    lens[5] = PyList_GET_SIZE(r->p_batches);
+    if (buf_push(&r->p_hashes, hashes, (Py_ssize_t)(nkeys * (Py_ssize_t)sizeof(int64_t))) < 0) goto rollback;
     int64_t count = (int64_t)nkeys, flags = (int64_t)reason | ((int64_t)path << 2);
     if (buf_push(&r->p_counts, &count, sizeof count) < 0 || buf_push(&r->p_times, &now, sizeof now) < 0 ||
         buf_push(&r->p_flags, &flags, sizeof flags) < 0 || PyList_Append(r->p_reqs, req_obj) < 0)
@@ -871,9 +901,10 @@ static int record_removal(Recorder *r, PyObject *keys, Py_ssize_t reason, PyObje
     Py_DECREF(keys);
     Py_XDECREF(residency);
     Py_DECREF(req_obj);
+    PyMem_Free(hashes);
     if (r->p_keys >= r->drain_keys || PyList_GET_SIZE(r->p_reqs) >= r->drain_batches) {
         PyObject *res = PyObject_CallNoArgs(r->drain);
-        if (res == NULL) report_error(r, stage_removal);
+        if (res == NULL && report_error(r, stage_removal) < 0) return -1;
         Py_XDECREF(res);
     }
     return 0;
@@ -893,6 +924,7 @@ rollback: {
         PyErr_Restore(type, value, tb);
     }
 fail:
+    PyMem_Free(hashes);
     Py_XDECREF(keys);
     Py_XDECREF(residency);
     Py_XDECREF(req_obj);
@@ -1024,7 +1056,6 @@ typedef struct {
     Recorder *rec;
     int kind, path, req_pos, after, set_frame;
     PyObject *hit, *hit_pending;     /* lookup */
-    PyObject *last_req, *last_req_id; /* lookup: the request looked up last (its lookups come in runs) */
     PyObject *on_failure, *on_near;  /* load */
 } Tap;
 
@@ -1037,8 +1068,6 @@ static int Tap_traverse(Tap *self, visitproc visit, void *arg) {
     Py_VISIT(self->hit_pending);
     Py_VISIT(self->on_failure);
     Py_VISIT(self->on_near);
-    Py_VISIT(self->last_req);
-    Py_VISIT(self->last_req_id);
     return 0;
 }
 
@@ -1049,8 +1078,6 @@ static int Tap_clear(Tap *self) {
     Py_CLEAR(self->hit_pending);
     Py_CLEAR(self->on_failure);
     Py_CLEAR(self->on_near);
-    Py_CLEAR(self->last_req);
-    Py_CLEAR(self->last_req_id);
     return 0;
 }
 
@@ -1090,19 +1117,7 @@ static PyObject *tap_lookup(Tap *t, PyObject *const *args, size_t nargsf, PyObje
     if (t->set_frame) frame_exit(r);
     if (result == NULL) return NULL;
     PyObject *key = arg_of(args, nargs, kwnames, 0, str_key);
-    PyObject *req_id;
-    if (req != NULL && req == t->last_req) {
-        req_id = t->last_req_id;
-        Py_INCREF(req_id);
-    } else {
-        req_id = require_req_id(req);
-        if (req_id != NULL) {
-            Py_INCREF(req);
-            Py_XSETREF(t->last_req, req);
-            Py_INCREF(req_id);
-            Py_XSETREF(t->last_req_id, req_id);
-        }
-    }
+    PyObject *req_id = require_req_id(req);
     int rc = -1;
     if (req_id != NULL && key != NULL) {
         if (result == t->hit || result == t->hit_pending) {
@@ -1114,8 +1129,7 @@ static PyObject *tap_lookup(Tap *t, PyObject *const *args, size_t nargsf, PyObje
         PyErr_SetString(PyExc_TypeError, "no key argument");
     }
     Py_XDECREF(req_id);
-    if (rc < 0) report_error(r, stage_lookup);
-    return result;
+    return rc < 0 ? reported(r, stage_lookup, result) : result;
 }
 
 static PyObject *tap_call(Tap *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -1154,8 +1168,7 @@ static PyObject *tap_call(Tap *t, PyObject *const *args, size_t nargsf, PyObject
         }
     }
     Py_XDECREF(req);
-    if (rc < 0) report_error(r, t->after == AFTER_FINISHED ? stage_finish : stage_schedule_end);
-    return result;
+    return rc < 0 ? reported(r, t->after == AFTER_FINISHED ? stage_finish : stage_schedule_end, result) : result;
 }
 
 static PyObject *tap_load(Tap *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -1172,7 +1185,12 @@ static PyObject *tap_load(Tap *t, PyObject *const *args, size_t nargsf, PyObject
         if (tb != NULL) PyException_SetTraceback(value, tb);
         PyObject *res = PyObject_CallFunctionObjArgs(t->on_failure, value, keys ? keys : Py_None,
                                                      req ? req : Py_None, NULL);
-        if (res == NULL) report_error(r, stage_diagnosis);
+        if (res == NULL && report_error(r, stage_diagnosis) < 0) { /* an interrupt: it propagates instead */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
         Py_XDECREF(res);
         PyErr_Restore(type, value, tb); /* vLLM's own assertion, same object, same traceback */
         return NULL;
@@ -1183,11 +1201,15 @@ static PyObject *tap_load(Tap *t, PyObject *const *args, size_t nargsf, PyObject
     else if (req_id != NULL) near = v_loaded(r->verdicts, req_id, keys);
     Py_XDECREF(req_id);
     if (near == NULL) {
-        report_error(r, stage_load);
+        return reported(r, stage_load, result);
     } else {
         if (PyList_GET_SIZE(near) > 0) {
             PyObject *res = PyObject_CallOneArg(t->on_near, near);
-            if (res == NULL) report_error(r, stage_load);
+            if (res == NULL && report_error(r, stage_load) < 0) {
+                Py_DECREF(near);
+                Py_DECREF(result);
+                return NULL;
+            }
             Py_XDECREF(res);
         }
         Py_DECREF(near);
@@ -1201,8 +1223,7 @@ static PyObject *tap_evict(Tap *t, PyObject *const *args, size_t nargsf, PyObjec
     if (evicted == NULL || evicted == Py_None) return evicted;
     int truth = PyObject_IsTrue(evicted);
     if (truth <= 0) {
-        if (truth < 0) report_error(r, stage_removal);
-        return evicted;
+        return truth < 0 ? reported(r, stage_removal, evicted) : evicted;
     }
     double now = monotonic_now();
     PyObject *keys = NULL, *ages = NULL;
@@ -1244,14 +1265,13 @@ static PyObject *tap_evict(Tap *t, PyObject *const *args, size_t nargsf, PyObjec
     }
     Py_DECREF(seq);
     seq = NULL;
-    if (record_removal(r, keys, 0, ages, now, -1, NULL) < 0) report_error(r, stage_removal);
+    if (record_removal(r, keys, 0, ages, now, -1, NULL) < 0) return reported(r, stage_removal, evicted);
     return evicted;
 fail:
     Py_XDECREF(seq);
     Py_XDECREF(keys);
     Py_XDECREF(ages);
-    report_error(r, stage_removal);
-    return evicted;
+    return reported(r, stage_removal, evicted);
 }
 
 static PyObject *tap_allocate(Tap *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -1260,17 +1280,14 @@ static PyObject *tap_allocate(Tap *t, PyObject *const *args, size_t nargsf, PyOb
     if (chunks == NULL || !r->keep_batches) return chunks; /* residency only goes to sinks that take batches */
     double now = monotonic_now();
     PyObject *seq = PySequence_Fast(chunks, "allocate must return a sequence");
-    if (seq == NULL) {
-        report_error(r, stage_removal);
-        return chunks;
-    }
+    if (seq == NULL) return reported(r, stage_removal, chunks);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t slot;
         if (chunk_slot(r, items[i], &slot) < 0) {
-            report_error(r, stage_removal);
-            break;
+            Py_DECREF(seq);
+            return reported(r, stage_removal, chunks);
         }
         r->stamps[slot] = now;
     }
@@ -1330,7 +1347,7 @@ static Tap *new_tap(Recorder *rec, PyObject *inner, int kind) {
     t->req_pos = -1;
     t->after = AFTER_NONE;
     t->set_frame = 0;
-    t->hit = t->hit_pending = t->on_failure = t->on_near = t->last_req = t->last_req_id = NULL;
+    t->hit = t->hit_pending = t->on_failure = t->on_near = NULL;
     PyObject_GC_Track(t);
     return t;
 }

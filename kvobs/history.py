@@ -158,6 +158,8 @@ class EvictionHistory:
         int64), ``times`` monotonic seconds (float64), ``flags`` ``reason | path << 2`` (int64);
         the first batch must get ``first_serial``; ``resets`` says how many are resets.
         """
+        if not counts:  # an empty run (its first_serial means nothing)
+            return
         if first_serial != self._next_serial:
             raise ValueError(f"batch serial {first_serial} where the history expects {self._next_serial}")
         key_hashes = np.frombuffer(hashes, dtype=np.int64)

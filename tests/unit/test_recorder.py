@@ -338,3 +338,82 @@ def test_a_drain_on_another_thread_never_sees_a_half_queued_batch(impl: str) -> 
         thread.join()
         sys.setswitchinterval(old)
     assert torn == [] and taken[0] == 20_000
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_removals_off_the_tapped_thread_stay_in_serial_order_under_a_concurrent_drain(impl: str) -> None:
+    """A removal with no tapped call above it asks Python for its path (the poll-thread check), where
+    another thread may run; the queue it joins must still hand the history whole, ordered runs."""
+    import sys
+    import threading
+
+    from kvobs.history import EvictionHistory
+
+    history = EvictionHistory(100_000)
+    errors: list[str] = []
+    recorder_cls, verdicts = (PyRecorder, LookupVerdicts()) if impl == "python" else (C.Recorder, C.Verdicts())
+
+    def off_thread_path() -> int:
+        return PATHS.index("poll_thread" if threading.current_thread().name == "poll" else "unobserved")
+
+    rec = recorder_cls(verdicts, REASONS, 0, lambda stage, exc: errors.append(repr(exc)), lambda: None,
+                       off_thread_path, 10**9, 10**9)
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def drain() -> None:
+        with lock:
+            first, hashes, counts, times, flags, reqs, _records, resets = rec.take_pending()
+            try:
+                history.record_columns(first, hashes, counts, times, flags, reqs, resets)
+            except ValueError as exc:
+                errors.append(str(exc))
+
+    def drainer() -> None:
+        while not done.is_set():
+            drain()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=drainer)
+    thread.start()
+    try:
+        for i in range(20_000):
+            rec.removal([i.to_bytes(8, "big")], 0, None, 1.0)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    drain()
+    assert errors == [] and history.next_serial == 20_000
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_a_request_context_of_none_and_a_renamed_one_are_recorded_as_they_are(impl: str) -> None:
+    side = Side(PyRecorder if impl == "python" else C.Recorder,
+                LookupVerdicts() if impl == "python" else C.Verdicts(), 1000)
+    side.evict_in_store = [(KEYS[0], Chunk(0))]
+    side.store([KEYS[0]], None)  # a removal under a call whose request context is None
+    _first, _h, _c, _t, _f, reqs, _r, _resets = side.rec.take_pending()
+    assert reqs == [None] and side.errors == []
+    ctx = Ctx("a")
+    side.result = HIT
+    side.lookup(KEYS[1], ctx)
+    ctx.req_id = "b"  # the same context object, renamed (vLLM's ReqContext is a mutable dataclass)
+    side.lookup(KEYS[2], ctx)
+    assert side.rec.verdicts.get("b", KEYS[2]) is not None and side.rec.verdicts.get("a", KEYS[2]) is None
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_an_interrupt_inside_kvobs_propagates_instead_of_being_counted(impl: str) -> None:
+    recorder_cls, verdicts = (PyRecorder, LookupVerdicts()) if impl == "python" else (C.Recorder, C.Verdicts())
+    errors: list[str] = []
+
+    def drain() -> None:
+        raise KeyboardInterrupt
+
+    rec = recorder_cls(verdicts, REASONS, 4, lambda stage, exc: errors.append(stage), drain, lambda: 0, 1, 1)
+    evict = rec.evict_tap(lambda n, protected: [(KEYS[0], Chunk(0))])
+    with pytest.raises(KeyboardInterrupt):
+        evict(1, set())
+    assert errors == []
