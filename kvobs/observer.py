@@ -303,35 +303,22 @@ class Observer:
         """Diagnose a failed load and log it once (the history is complete and still while it runs)."""
         with self._drain_lock:
             self.drain()
-            return self._diagnose(vllm_message, req_id, num_keys, end_token_range, unloadable, failing_group,
-                                  trace_headers)
-
-    def _diagnose(
-        self,
-        vllm_message: str,
-        req_id: str,
-        num_keys: int,
-        end_token_range: tuple[int, int] | None,
-        unloadable: Sequence[tuple[bytes, int, int | None, str]],
-        failing_group: int | None,
-        trace_headers: Mapping[str, str] | None,
-    ) -> Diagnosis:
-        now = time.monotonic()
-        stats = self._history.stats()
-        diagnosis = diagnose(
-            LoadFailure(
-                vllm_message=vllm_message,
-                req_id=req_id,
-                num_keys=num_keys,
-                end_token_range=end_token_range,
-                missing=self.facts(req_id, unloadable),
-                history_keys=stats.keys,
-                history_window_s=stats.window(now),
-                now=now,
-                failing_group=failing_group,
-                trace_headers=trace_headers,
+            now = time.monotonic()
+            stats = self._history.stats()
+            diagnosis = diagnose(
+                LoadFailure(
+                    vllm_message=vllm_message,
+                    req_id=req_id,
+                    num_keys=num_keys,
+                    end_token_range=end_token_range,
+                    missing=self.facts(req_id, unloadable),
+                    history_keys=stats.keys,
+                    history_window_s=stats.window(now),
+                    now=now,
+                    failing_group=failing_group,
+                    trace_headers=trace_headers,
+                )
             )
-        )
         self.failures[diagnosis.cause] += 1
         self.last_diagnosis = diagnosis
         self.history_stats = stats

@@ -293,6 +293,24 @@ def test_recording_faults_are_counted_never_raised(impl: str) -> None:
     assert [stage for stage, _ in side.errors] == ["record.lookup", "record.removal", "diagnosis"]
 
 
+def _racing(background: Any, foreground: Any, done: Any) -> None:
+    """Run ``foreground`` while ``background`` loops on another thread, switching threads every
+    microsecond (so any window between two steps of a queue operation gets hit)."""
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        foreground()
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(old)
+
+
 def test_observer_with_c_taps_is_collected() -> None:
     """Taps and recorders take part in garbage collection: a dropped observer is freed."""
     from kvobs.observer import Observer
@@ -309,7 +327,6 @@ def test_observer_with_c_taps_is_collected() -> None:
 @pytest.mark.parametrize("impl", ["python", "c"])
 def test_a_drain_on_another_thread_never_sees_a_half_queued_batch(impl: str) -> None:
     """The journal's writer drains while the scheduler thread queues: every run it takes is whole."""
-    import sys
     import threading
 
     recorder_cls, verdicts = (PyRecorder, LookupVerdicts()) if impl == "python" else (C.Recorder, C.Verdicts())
@@ -326,17 +343,11 @@ def test_a_drain_on_another_thread_never_sees_a_half_queued_batch(impl: str) -> 
                 torn.append((len(hashes), len(counts), len(times), len(flags), n))
             taken[0] += n
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
+    def queue() -> None:
         for i in range(20_000):
             rec.removal(KEYS[:3], 0, None, float(i), 0, "r")
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(old)
+
+    _racing(writer, queue, done)
     assert torn == [] and taken[0] == 20_000
 
 
@@ -344,7 +355,6 @@ def test_a_drain_on_another_thread_never_sees_a_half_queued_batch(impl: str) -> 
 def test_removals_off_the_tapped_thread_stay_in_serial_order_under_a_concurrent_drain(impl: str) -> None:
     """A removal with no tapped call above it asks Python for its path (the poll-thread check), where
     another thread may run; the queue it joins must still hand the history whole, ordered runs."""
-    import sys
     import threading
 
     from kvobs.history import EvictionHistory
@@ -373,17 +383,11 @@ def test_removals_off_the_tapped_thread_stay_in_serial_order_under_a_concurrent_
         while not done.is_set():
             drain()
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    thread = threading.Thread(target=drainer)
-    thread.start()
-    try:
+    def queue() -> None:
         for i in range(20_000):
             rec.removal([i.to_bytes(8, "big")], 0, None, 1.0)
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(old)
+
+    _racing(drainer, queue, done)
     drain()
     assert errors == [] and history.next_serial == 20_000
 
