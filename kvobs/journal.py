@@ -14,7 +14,8 @@ EngineCore that the failed assertion kills. So:
 * files are bounded: segments roll at ``SEGMENT_BYTES`` and only ``KEEP_SEGMENTS``
   are kept per engine process; at most ``KEEP_REPORTS`` failure reports.
 
-Layout: ``DIR/journal/<engine>-<pid>.<seq>.jsonl`` and ``DIR/failures/*.json``,
+Layout: ``DIR/journal/<engine>-<pid>.<seq>.jsonl`` (``<engine>-<pid>_<n>.<seq>.jsonl`` for the
+n-th other writer of the same engine in the same process and directory) and ``DIR/failures/*.json``,
 directories 0700 and files 0600 (keys are hashes; no prompt text is written).
 """
 
@@ -47,6 +48,31 @@ QUEUE_RECORDS = 65_536
 SEGMENT_BYTES = 16 * 2**20
 KEEP_SEGMENTS = 4
 KEEP_PROCESSES = 8  # earlier processes of an engine whose segments are kept (restarts must not fill the disk)
+
+_stems_in_use: set[tuple[str, str]] = set()  # (journal dir, file stem) of this process's live writers
+_stems_lock = threading.Lock()
+
+
+def _claim_stem(journal_dir: Path, engine: str) -> str:
+    """A file stem no other live writer of this process uses in this directory.
+
+    Two observed managers with one engine name in one process (``observe()`` twice, with the
+    default ``engine=pid<pid>``) would otherwise write, and rotate away, each other's segments.
+    """
+    base = f"{engine}-{os.getpid()}"
+    with _stems_lock:
+        stem, n = base, 0
+        while (str(journal_dir), stem) in _stems_in_use:
+            n += 1
+            stem = f"{base}_{n}"
+        _stems_in_use.add((str(journal_dir), stem))
+    return stem
+
+
+def _stem_pid(stem_pid: str) -> int | None:
+    """The pid in the ``<pid>`` or ``<pid>_<n>`` part of a journal file name."""
+    pid = stem_pid.partition("_")[0]
+    return int(pid) if pid.isdigit() else None
 KEEP_REPORTS = 1_000
 MAX_REPORT_BYTES = 4 * 2**20
 MAX_REPORT_KEYS = 1_000  # keys a report details (~350 bytes each); its missing_summary counts every key
@@ -224,6 +250,7 @@ class JournalSink(Sink):
         # pid: a restarted container reuses pids; two observed managers may share one process.
         self.run = os.urandom(6).hex()
         self._closed = threading.Event()
+        self._stem = _claim_stem(self.journal_dir, self.engine)
         self._prune_earlier_processes()
         self._enqueue(("hello", vllm_version))
         self._thread = threading.Thread(target=self._run, name="kvobs-journal", daemon=True)
@@ -329,6 +356,8 @@ class JournalSink(Sink):
                 self._fd = None
         finally:
             self._write_lock.release()
+        with _stems_lock:
+            _stems_in_use.discard((str(self.journal_dir), self._stem))
 
     def _write(self, data: bytes) -> None:
         if self._fd is None or self._segment_bytes + len(data) > SEGMENT_BYTES:
@@ -348,13 +377,13 @@ class JournalSink(Sink):
             fd, self._fd = self._fd, None  # never keep a closed descriptor number (it gets reused)
             os.close(fd)
             self._seq += 1
-        path = self.journal_dir / f"{self.engine}-{os.getpid()}.{self._seq:06d}.jsonl"
+        path = self.journal_dir / f"{self._stem}.{self._seq:06d}.jsonl"
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._segment_bytes = 0
         old = self._seq - KEEP_SEGMENTS
         if old >= 0:
             with contextlib.suppress(FileNotFoundError):
-                (self.journal_dir / f"{self.engine}-{os.getpid()}.{old:06d}.jsonl").unlink()
+                (self.journal_dir / f"{self._stem}.{old:06d}.jsonl").unlink()
 
     def _prune_earlier_processes(self) -> None:
         """Delete the segments of this engine's earlier processes but the newest KEEP_PROCESSES'.
@@ -366,9 +395,10 @@ class JournalSink(Sink):
         mine = os.getpid()
         by_pid: dict[int, list[Path]] = {}
         for path in self.journal_dir.glob("*.jsonl"):
-            engine, _, pid = path.name[: -len(".jsonl")].rpartition(".")[0].rpartition("-")
-            if engine == self.engine and pid.isdigit() and int(pid) != mine:
-                by_pid.setdefault(int(pid), []).append(path)
+            engine, _, stem_pid = path.name[: -len(".jsonl")].rpartition(".")[0].rpartition("-")
+            pid = _stem_pid(stem_pid)
+            if engine == self.engine and pid is not None and pid != mine:
+                by_pid.setdefault(pid, []).append(path)
         if len(by_pid) <= KEEP_PROCESSES:
             return
 
