@@ -9,6 +9,7 @@ a sink's failure is counted and logged once, never raised into the caller.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import Counter
@@ -43,6 +44,11 @@ STATS_EVERY_S = 1.0
 
 _new_verdict = tuple.__new__  # Verdict(...) without its Python-level __new__ (one per lookup hit)
 monotonic = time.monotonic
+
+def _last_time(times: bytes) -> float:
+    """The newest time of a queued run (its times column is native float64)."""
+    return float(struct.unpack_from("d", times, len(times) - 8)[0])
+
 
 REASON_CODE = {name: code for code, name in enumerate(REASONS)}
 PATH_CODE = {name: code for code, name in enumerate(PATHS)}
@@ -219,7 +225,7 @@ class Observer:
                             sink.on_removal(batch)
                         except Exception as exc:  # a sink must never break vLLM
                             self.internal_error(getattr(sink, "stage", "sink"), exc)
-        now = times[-1]
+        now = _last_time(times)
         if now >= self._next_stats_at:  # gauges for other threads, at most once a second
             self._next_stats_at = now + STATS_EVERY_S
             self.history_stats = history.stats()
