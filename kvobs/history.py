@@ -169,8 +169,6 @@ class EvictionHistory:
         n = len(batch_counts)
         if not (n == len(batch_times) == len(batch_flags) == len(reqs)) or int(batch_counts.sum()) != len(key_hashes):
             raise ValueError("removal columns of different lengths")
-        if n == 0:
-            return
         self._seal_open()
         self._p_sealed.append((key_hashes, batch_counts, batch_times, batch_flags, reqs))
         self._p_sealed_keys += len(key_hashes)

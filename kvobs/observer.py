@@ -45,6 +45,11 @@ STATS_EVERY_S = 1.0
 _new_verdict = tuple.__new__  # Verdict(...) without its Python-level __new__ (one per lookup hit)
 monotonic = time.monotonic
 
+def _overrides(sink: Sink, name: str) -> bool:
+    """True if ``sink`` has its own ``name`` method (its class's, or set on the instance)."""
+    return getattr(type(sink), name) is not getattr(Sink, name) or name in getattr(sink, "__dict__", ())
+
+
 def _last_time(times: bytes) -> float:
     """The newest time of a queued run (its times column is native float64)."""
     return float(struct.unpack_from("d", times, len(times) - 8)[0])
@@ -105,9 +110,9 @@ class Observer:
 
     Removal batches arrive through :attr:`recorder` (the taps' queue) and are
     folded into the history, the counters and the sinks by :meth:`drain`, in
-    serial order, on whichever thread drains: reading :attr:`history`,
-    :attr:`evicted` or :attr:`batches` drains first, so readers see every
-    removal queued before the read.
+    serial order, on whichever thread drains: reading :attr:`history` drains
+    first, so readers see every removal queued before the read; :attr:`evicted`
+    and :attr:`batches` are counted as batches are queued.
     """
 
     def __init__(self, options: Options | None = None, sinks: Iterable[Sink] = (), num_stamps: int = 0) -> None:
@@ -129,6 +134,7 @@ class Observer:
         self._next_stats_at = 0.0
         self._sinks_seen: list[Sink] = []
         self._receivers: list[Sink] = []
+        self._bulk_receivers: list[Sink] = []
         self._drain_lock = threading.RLock()
         self._draining = False
 
@@ -206,17 +212,13 @@ class Observer:
             history.record_columns(first_serial, hashes, counts, times, flags, reqs, resets)
         except ValueError as exc:  # the queue and the history disagree: said, never raised
             self.internal_error("record.removal", exc)
-        receivers = self._removal_receivers()
-        if receivers and records:
-            one_by_one = []
-            for sink in receivers:
-                if type(sink).on_removals is Sink.on_removals and "on_removals" not in getattr(sink, "__dict__", ()):
-                    one_by_one.append(sink)
-                    continue
+        if self._removal_receivers() and records:
+            for sink in self._bulk_receivers:
                 try:
                     sink.on_removals(records)
                 except Exception as exc:  # a sink must never break vLLM
                     self.internal_error(getattr(sink, "stage", "sink"), exc)
+            one_by_one = [s for s in self._receivers if s not in self._bulk_receivers]
             if one_by_one:
                 for serial, now, reason, path, req_id, keys, residency, broken in records:
                     batch = RemovalBatch(serial, now, REASONS[reason], PATHS[path], req_id, keys, residency, broken)
@@ -253,7 +255,8 @@ class Observer:
         self._removal_receivers()
 
     def _removal_receivers(self) -> list[Sink]:
-        """The sinks with an ``on_removal`` of their own (re-read whenever ``sinks`` changes).
+        """The sinks with an ``on_removal`` or ``on_removals`` of their own (re-read whenever ``sinks``
+        changes); those with ``on_removals`` are also kept apart, in ``_bulk_receivers``.
 
         A batch is built only when some sink wants it: the tracing sink, always
         present, does not.
@@ -261,11 +264,8 @@ class Observer:
         sinks = self.sinks
         if sinks != self._sinks_seen:
             self._sinks_seen = list(sinks)
-            self._receivers = [
-                s for s in sinks
-                if any(getattr(type(s), name) is not getattr(Sink, name) or name in getattr(s, "__dict__", ())
-                       for name in ("on_removal", "on_removals"))
-            ]
+            self._bulk_receivers = [s for s in sinks if _overrides(s, "on_removals")]
+            self._receivers = [s for s in sinks if _overrides(s, "on_removals") or _overrides(s, "on_removal")]
             self.recorder.keep_batches = 1 if self._receivers else 0
         return self._receivers
 
