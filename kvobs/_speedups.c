@@ -700,7 +700,7 @@ static PyObject *Recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     static char *kwlist[] = {"verdicts", "reasons", "num_stamps", "on_error", "drain", "off_thread_path",
                              "drain_keys", "drain_batches", NULL};
     PyObject *verdicts, *reasons, *on_error, *drain, *off_thread_path;
-    Py_ssize_t num_stamps, drain_keys = 4096, drain_batches = 512;
+    Py_ssize_t num_stamps, drain_keys = 16384, drain_batches = 2048; /* kvobs.recorder's defaults */
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!nOOO|nn:Recorder", kwlist, &VerdictsType, &verdicts,
                                      &PyTuple_Type, &reasons, &num_stamps, &on_error, &drain, &off_thread_path,
                                      &drain_keys, &drain_batches))

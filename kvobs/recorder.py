@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import Any, Protocol
 
-from kvobs.verdicts import LookupVerdicts, Verdict
+from kvobs.verdicts import LookupVerdicts, NearMiss, Verdict
 
 monotonic = time.monotonic
 _new_tuple = tuple.__new__
@@ -353,13 +353,11 @@ def speedups_available() -> bool:
 
 def speedups_module() -> Any:
     """The built C twin (``kvobs._speedups``), even when disabled for use; None if not built."""
-    if _speedups is not None:
-        return _speedups
     try:
         from kvobs import _speedups as module  # type: ignore[attr-defined]
     except ImportError:
         return None
-    _configure(module)
+    module.configure(Verdict, NearMiss)  # the public types its verdicts are read out as
     return module
 
 
@@ -379,21 +377,4 @@ def new_recorder(
     return PyRecorder(LookupVerdicts(max_verdicts), reasons, num_stamps, on_error, drain, off_thread_path)
 
 
-def _load_speedups() -> Any:
-    if os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from kvobs import _speedups as module  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    _configure(module)
-    return module
-
-
-def _configure(module: Any) -> None:
-    from kvobs.verdicts import NearMiss
-
-    module.configure(Verdict, NearMiss)
-
-
-_speedups = _load_speedups()
+_speedups = None if os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0") else speedups_module()
