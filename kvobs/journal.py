@@ -265,9 +265,6 @@ class JournalSink(Sink):
         self._queued += batches
         self._queue.append(record)
 
-    def on_removal(self, batch: RemovalBatch) -> None:
-        self._enqueue(("batch", batch))
-
     def on_removals(self, records: Sequence[Record]) -> None:
         """A drained run of batches, queued as one item: turned into lines on the writer thread."""
         self._enqueue(("records", records), len(records))
@@ -320,11 +317,6 @@ class JournalSink(Sink):
                     encode = self._encode_batch
                     lines.extend(encode(serial, now, REASONS[reason], PATHS[path], req, keys, residency)
                                  for serial, now, reason, path, req, keys, residency, _ in item[1])
-                elif item[0] == "batch":
-                    self._queued -= 1
-                    b = item[1]
-                    lines.append(self._encode_batch(b.serial, b.time, b.reason, b.path, b.req_id, b.keys,
-                                                    b.residency_s))
                 else:
                     self._queued -= 1
                     lines.append(self._encode(item))
