@@ -35,8 +35,7 @@ from typing import Any
 
 from benchmarks._common import arg_parser, median, paired_ratios, percentile, print_table, spread, write_json
 from kvobs.diagnosis import MISSING
-from kvobs.history import EvictionHistory
-from kvobs.observer import Observer
+from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
 
 MIB = 2**20
@@ -82,10 +81,17 @@ def make_batches(total_keys: int, seed: int, batch_keys: tuple[int, int] = BATCH
     return batches
 
 
-def fill_kvobs(history: EvictionHistory, batches: Sequence[Sequence[bytes]], req_ids: Sequence[str]) -> None:
-    record = history.record
+def new_kvobs(size: int) -> Observer:
+    """kvobs's side: the recorder's queue folded into the history, as in an observed manager."""
+    return Observer(Options(history_size=size))
+
+
+def fill_kvobs(observer: Observer, batches: Sequence[Sequence[bytes]], req_ids: Sequence[str]) -> None:
+    """Record each batch the way the policy hook does (queued; drained into the history when full)."""
+    removal = observer.recorder.removal
+    now = time.monotonic()
     for i, keys in enumerate(batches):
-        record(keys, 0, 0, req_ids[i % len(req_ids)])
+        removal(list(keys), 0, None, now, path=0, req_id=req_ids[i % len(req_ids)])
 
 
 def fill_baseline(history: OrderedDictHistory, batches: Sequence[Sequence[bytes]]) -> None:
@@ -130,14 +136,16 @@ def memory(size: int) -> dict[str, float]:
         lambda: OrderedDictHistory(size), lambda h, rng: stream(lambda k, r: h.record(k), rng)
     )
     assert len(base.times) == size
+    now = time.monotonic()
     kv_bytes, kv = held_bytes(
-        lambda: EvictionHistory(size), lambda h, rng: stream(lambda k, r: h.record(k, 0, 0, r), rng)
+        lambda: new_kvobs(size),
+        lambda o, rng: stream(lambda k, r: o.recorder.removal(k, 0, None, now, path=0, req_id=r), rng),
     )
-    assert kv.stats().keys == size
+    assert kv.history.stats().keys == size
     return {
         "baseline_bytes": base_bytes,
         "kvobs_bytes": kv_bytes,
-        "kvobs_nbytes": kv.nbytes(),
+        "kvobs_nbytes": kv.history.nbytes(),
         "baseline_per_key": base_bytes / size,
         "kvobs_per_key": kv_bytes / size,
     }
@@ -164,13 +172,13 @@ def recording(size: int, runs: int, min_keys: int = 300_000) -> dict[str, Any]:
                 fill_baseline(base, timed)
                 base_s.append(time.perf_counter() - t0)
             else:
-                kv = EvictionHistory(size)
+                kv = new_kvobs(size)
                 fill_kvobs(kv, warm, req_ids)
-                kv.last_removals([])  # fold the warm-up
+                kv.history.last_removals([])  # fold the warm-up
                 gc.collect()
                 t0 = time.perf_counter()
                 fill_kvobs(kv, timed, req_ids)
-                kv.last_removals([])  # the pending tail is folded inside the window
+                kv.history.last_removals([])  # the queued tail is drained and folded inside the window
                 kv_s.append(time.perf_counter() - t0)
     return {
         "keys": keys,
@@ -188,18 +196,19 @@ def recording(size: int, runs: int, min_keys: int = 300_000) -> dict[str, Any]:
 
 def diagnosis(size: int, repeats: int) -> dict[str, Any]:
     """Time a 16-key failed load's diagnosis at a full history (+ the baseline's lookups)."""
-    observer = Observer(Options(history_size=size))
+    observer = new_kvobs(size)
     fill = make_batches(2 * size, seed=21)  # wraps the key ring once: the history is full
-    fill_kvobs(observer.history, fill, [f"req-{i}" for i in range(97)])
+    fill_kvobs(observer, fill, [f"req-{i}" for i in range(97)])
     baseline = OrderedDictHistory(size)
     fill_baseline(baseline, fill)
     rng = random.Random(5)
     recent = [k for b in fill[-(len(fill) // 4) :] for k in b]
-    # 16 keys: 12 recorded removals after the lookup, 4 never recorded (coverage mismatch).
+    # 16 keys: 12 promised by a lookup and then removed, 4 never promised (coverage mismatch).
     wanted = [*rng.sample(recent, 12), *(make_key(rng) for _ in range(4))]
     for key in wanted[:12]:
-        observer.verdicts.reported("req-failing", key, _verdict(observer, 0))
-    unloadable = [(k, 0, 16 * (i + 1), MISSING) for i, k in enumerate(wanted)]
+        observer.promises.reported("req-failing", key, observer.recorder.next_serial << 1, time.monotonic())
+    fill_kvobs(observer, [wanted[:12]], ["req-other"])
+    unloadable = [Unloadable(k, 0, 16 * (i + 1), MISSING) for i, k in enumerate(wanted)]
     logger = logging.getLogger("kvobs")
     saved = logger.disabled
     logger.disabled = True  # the real path logs the message once; not this benchmark's output
@@ -208,7 +217,7 @@ def diagnosis(size: int, repeats: int) -> dict[str, Any]:
     causes: dict[str, int] = {}
     try:
         for _ in range(repeats):
-            observer.history.record([make_key(rng)], 0, 0, "req-other")  # a pending batch, as in life
+            fill_kvobs(observer, [[make_key(rng)]], ["req-other"])  # a queued batch, as in life
             t0 = time.perf_counter()
             d = observer.load_failed("Chunk b'...' not found in cache", "req-failing", 16, (16, 256), unloadable, 0)
             _ = d.message
@@ -229,18 +238,13 @@ def diagnosis(size: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def _verdict(observer: Observer, serial: int) -> Any:
-    from kvobs.verdicts import Verdict
-
-    return Verdict(serial, time.monotonic(), False)
-
-
 def stats_cost(size: int, repeats: int) -> dict[str, Any]:
     """history.stats() at a full history; small batches make the batch ring wrap first."""
     out: dict[str, Any] = {}
     for label, batch_keys in (("batches 1..64", BATCH_KEYS), ("batches 1..4 (batch ring wrapped)", (1, 4))):
-        h = EvictionHistory(size)
-        fill_kvobs(h, make_batches(2 * size, seed=31, batch_keys=batch_keys), ["r"])
+        observer = new_kvobs(size)
+        fill_kvobs(observer, make_batches(2 * size, seed=31, batch_keys=batch_keys), ["r"])
+        h = observer.history
         h.stats()
         samples = []
         for _ in range(repeats):

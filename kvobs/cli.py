@@ -10,16 +10,24 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvobs.sidecar.server import serve
+    from kvobs.sidecar.server import ListenError, serve
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        print(f"kvobs serve: --dir {directory} does not exist or is not a directory (point it at the KVOBS_DIR "
+              "the engines write)", file=sys.stderr)
+        return 2
     print(f"kvobs serve: reading {args.dir}, serving http://{args.host}:{args.port}/metrics", flush=True)
     try:
-        serve(Path(args.dir), args.host, args.port)
+        serve(directory, args.host, args.port)
     except KeyboardInterrupt:
         pass
+    except ListenError as exc:
+        print(f"kvobs serve: {exc.strerror}", file=sys.stderr)
+        return 2
     except OSError as exc:
-        print(f"kvobs serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"kvobs serve: cannot use --dir {directory}: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,7 +1,8 @@
 """Why a load found chunks missing: classify each key, then write the message.
 
-Pure logic: it sees facts gathered by the glue (lookup verdicts, last removals,
-chunk states) and imports nothing from vLLM, so it is tested without vLLM and
+Pure logic: it sees facts gathered by the observer (each key's promise and the removal
+that broke it, by the rule in ``kvobs/_recording.py``; its last recorded removal; its
+state in the cache) and imports nothing from vLLM, so it is tested without vLLM and
 runs in the failing process in microseconds.
 """
 
@@ -10,25 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kvobs.codes import CAUSE_OF_REASON, CAUSES
 from kvobs.history import Removal
-from kvobs.verdicts import Verdict
 
-CAUSES: tuple[str, ...] = (
-    "evicted_after_lookup",
-    "reset_after_lookup",
-    "store_failed_after_lookup",
-    "coverage_mismatch",
-    "store_in_flight",
-    "unknown",
-)
-"""Every cause a missing key can have (also the ``cause`` label values)."""
+if TYPE_CHECKING:
+    from kvobs.recording import Verdict
 
-_CAUSE_OF_REASON = {
-    "capacity": "evicted_after_lookup",
-    "reset": "reset_after_lookup",
-    "store_failed": "store_failed_after_lookup",
-}
+__all__ = ["CAUSES", "Diagnosis", "KeyDiagnosis", "KeyFacts", "LoadFailure", "classify", "diagnose"]
 
 MAX_LISTED_KEYS = 16
 
@@ -44,10 +35,11 @@ class KeyFacts:
     group: int
     end_token: int | None
     state: str  # MISSING or NOT_READY
-    verdict: Verdict | None  # this request's positive lookup answer, if any
-    last_removal: Removal | None
-    reset_after_lookup: Removal | None = None  # a reset batch with no keys listed
-    verdicts_dropped: bool = False  # some of this request's verdicts did not fit (max_verdicts)
+    verdict: Verdict | None  # this request's promise for the key (its lookup's positive answer), if any
+    last_removal: Removal | None  # the key's most recent recorded removal
+    breach: str | None = None  # reason of the first removal after the promise (it broke the promise)
+    breaking_removal: Removal | None = None  # that removal's details, while the history holds them
+    verdicts_dropped: bool = False  # some of this request's promises did not fit (max_verdicts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +79,13 @@ class Diagnosis:
 
 
 def classify(facts: KeyFacts) -> str:
-    """The cause of one unloadable key (see the table in DESIGN.md)."""
+    """The cause of one unloadable key (DESIGN.md, "Causes")."""
     if facts.state == NOT_READY:
         return "store_in_flight"
-    verdict = facts.verdict
-    if verdict is None:  # never reported, unless the report was among the dropped verdicts
+    if facts.verdict is None:  # never promised, unless the promise was among the dropped ones
         return "unknown" if facts.verdicts_dropped else "coverage_mismatch"
-    removal = facts.last_removal
-    if removal is not None and removal.serial >= verdict.serial:
-        return _CAUSE_OF_REASON[removal.reason]
-    if facts.reset_after_lookup is not None:
-        return "reset_after_lookup"
+    if facts.breach is not None:
+        return CAUSE_OF_REASON[facts.breach]
     return "unknown"
 
 
@@ -105,34 +93,39 @@ def _age(removal: Removal | None, now: float) -> float | None:
     return None if removal is None else round(max(0.0, now - removal.time), 3)
 
 
+def _seconds(value: float) -> float:
+    return round(max(0.0, value), 3)
+
+
+def _by(removal: Removal) -> str:
+    return f"path={removal.path}" + (f", req_id={removal.req_id!r}" if removal.req_id else "")
+
+
 def _evidence(facts: KeyFacts, cause: str, now: float) -> str:
     verdict = facts.verdict
+    last = facts.last_removal
     if cause == "store_in_flight":
         return "the chunk is in the cache but its store has not completed"
     if verdict is None:
-        seen = (
-            f"last removed {_age(facts.last_removal, now)}s ago ({facts.last_removal.reason})"
-            if facts.last_removal is not None
-            else "no removal recorded"
-        )
+        seen = f"last removed {_age(last, now)}s ago ({last.reason})" if last is not None else "no removal recorded"
         if facts.verdicts_dropped:
             return (f"lookup verdicts of this request were dropped (max_verdicts reached), so whether its lookup "
                     f"reported the chunk is not known; {seen}")
         return f"this request's lookups never reported the chunk; {seen}"
     said = "HIT_PENDING" if verdict.pending else "HIT"
-    looked = f"lookup reported {said} {round(max(0.0, now - verdict.time), 3)}s before the load"
-    removal = facts.last_removal
-    if removal is not None and removal.serial >= verdict.serial:
-        by = f", req_id={removal.req_id!r}" if removal.req_id else ""
-        return (
-            f"{looked}; {removal.reason} removal {round(max(0.0, removal.time - verdict.time), 3)}s"
-            f" after the lookup, path={removal.path}{by}"
-        )
-    if facts.reset_after_lookup is not None:
-        reset = facts.reset_after_lookup
-        return f"{looked}; reset_cache() {round(max(0.0, reset.time - verdict.time), 3)}s after the lookup"
-    if removal is not None:
-        return f"{looked}; its last recorded removal came before the lookup"
+    looked = f"lookup reported {said} {_seconds(now - verdict.time)}s before the load"
+    if facts.breach is not None:
+        breaking = facts.breaking_removal
+        if breaking is None:
+            text = f"{looked}; {facts.breach} removal after the lookup (its details are older than the history)"
+        else:
+            after = _seconds(breaking.time - verdict.time)
+            text = f"{looked}; {breaking.reason} removal {after}s after the lookup, {_by(breaking)}"
+        if last is not None and (breaking is None or last.serial > breaking.serial):
+            text += f"; removed again since: {last.reason} {_age(last, now)}s ago, {_by(last)}"
+        return text
+    if last is not None:
+        return f"{looked}; no removal broke that promise (the last recorded one, {last.reason}, came before it)"
     return f"{looked}; no removal recorded (older than the history, or an unobserved path)"
 
 

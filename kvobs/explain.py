@@ -24,9 +24,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvobs.diagnosis import CAUSES
-from kvobs.journal import MAX_REPORT_BYTES, iter_reports
+from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
+from kvobs.wire import (
+    MAX_LINE_BYTES as MAX_JOURNAL_LINE_BYTES,
+    MAX_REPORT_BYTES,
+    Removals,
+    decode_record,
+    iter_reports,
+    key_ref,
+)
 
 MAX_LINE_BYTES = 1 << 20
 """Longer log lines are cut (an assertion line is a few hundred bytes; kvobs's own ~2 KiB)."""
@@ -99,8 +106,7 @@ class LoggedAssertion:
         """The key as kvobs journals it: hash prefix / group."""
         if self.key is None or len(self.key) < 5:
             return None
-        decoded = decode_key(self.key)
-        return f"{decoded.hash_prefix}/{decoded.group}"
+        return key_ref(self.key)
 
     @property
     def vllm_text(self) -> str:
@@ -228,54 +234,59 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
 
 
 def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, Any]]:
-    """Batch records naming one of ``refs`` (keys beyond the 256 listed per batch are not named).
-
-    Lines are filtered on the raw bytes first: only lines naming a wanted key are parsed.
-    """
+    """Removals of any of ``refs`` in the journals (keys beyond the first ones listed per batch
+    are counted there, not named). Only ``removals`` lines are decoded."""
     if not journal_dir.is_dir():
         return
+    wanted = {ref_bytes: ref for ref in refs if (ref_bytes := _ref_bytes(ref)) is not None}
     budget = MAX_JOURNAL_BYTES
-    needles = [f'"{ref}"'.encode() for ref in refs]
     for path in sorted(journal_dir.glob("*.jsonl")):
         try:
             with open(path, "rb") as journal:
-                for raw in journal:
+                while raw := journal.readline(MAX_JOURNAL_LINE_BYTES):
                     budget -= len(raw)
                     if budget < 0:
                         return
-                    if b'"k":"batch"' not in raw or not any(needle in raw for needle in needles):
+                    if b'"k":"removals"' not in raw[:32]:
                         continue
                     try:
-                        record = json.loads(raw)
-                    except ValueError:
+                        record = decode_record(json.loads(raw))
+                    except (ValueError, RecursionError):
                         continue
-                    yield from _removals_in(record if isinstance(record, dict) else None, refs)
+                    if isinstance(record, Removals):
+                        yield from _removals_in(record, wanted)
         except OSError:
             continue
 
 
-def _removals_in(record: dict[str, Any] | None, refs: set[str]) -> Iterator[dict[str, Any]]:
-    if record is None or record.get("k") != "batch" or not isinstance(record.get("keys"), list):
-        return
-    res, when = record.get("res"), record.get("t", 0.0)
-    residency: list[Any] = res if isinstance(res, list) else []
-    if not _is_number(when):  # a damaged record: its keys are still shown, without a time
-        when = None
-    seen: set[str] = set()
-    for index, key in enumerate(record["keys"]):
-        if isinstance(key, str) and key in refs and key not in seen:  # one removal per batch, per key
-            seen.add(key)
-            yield {
-                "key": key,
-                "engine": record.get("e"),
-                "pid": record.get("pid"),
-                "time": None if when is None else float(when),
-                "reason": record.get("r"),
-                "path": record.get("p"),
-                "req_id": record.get("req"),
-                "batch_keys": record.get("n"),
-                "residency_s": residency[index] if index < len(residency) and _is_number(residency[index]) else None,
-            }
+def _ref_bytes(ref: str) -> bytes | None:
+    """``key_ref`` text back to the bytes a removals line lists."""
+    prefix, _, group = ref.partition("/")
+    try:
+        raw = bytes.fromhex(prefix)
+        return raw + int(group).to_bytes(4, "big") if len(raw) == 8 else None
+    except (ValueError, OverflowError):
+        return None
+
+
+def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[str, Any]]:
+    for serial, when, reason, path, req_id, count, listed, ages in record.batches():
+        seen: set[bytes] = set()
+        for ref, age in zip(listed, ages, strict=True):
+            if ref in wanted and ref not in seen:  # one removal per batch, per key
+                seen.add(ref)
+                yield {
+                    "key": wanted[ref],
+                    "engine": record.writer.engine,
+                    "pid": record.writer.pid,
+                    "serial": serial,
+                    "time": when,
+                    "reason": reason,
+                    "path": path,
+                    "req_id": req_id,
+                    "batch_keys": count,
+                    "residency_s": None if age != age else round(age, 6),
+                }
 
 
 def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> None:

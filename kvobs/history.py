@@ -9,46 +9,32 @@ key -> time costs ~150 bytes a key). Here a key costs 8 bytes:
 * a batch ring (``capacity // 4`` slots, at least 1024) holding, per removal
   batch, its monotonic time, reason, path and the request that caused it.
 
-Recording is O(1) per batch on the caller's thread: a batch is appended to a
-pending list and folded into the rings in vectorised steps once a few thousand
-keys are pending, or when somebody asks a question. Batch serials double as the
-sequence number that orders removals against lookups: a lookup remembers
-``next_serial``; a removal with a serial at or above it came after the lookup.
+Recording takes whole runs of batches, column by column, as the recorder queued them
+(``kvobs.recording.RemovalRun``), and folds them into the rings in vectorised steps once
+a few thousand keys are pending, or when somebody asks a question. Batch serials are the
+recorder's: a promise names the serial of the removal that broke it, and
+:meth:`EvictionHistory.removal_at` gives that batch's details.
+
+Storage sits behind four questions (record a run, last removal of keys, a batch by serial,
+size and reach): the layout can change without touching the observer or the diagnosis.
 
 Fingerprints are 32 bits: a query for a key that was never removed matches some
-other key with probability ``len(history) / 2**32`` (2.3e-4 at 1M keys); the
-diagnosis only trusts matches after the request's lookup, where the window is
-small. Documented in docs/design.md.
+other key with probability ``len(history) / 2**32`` (2.3e-4 at 1M keys); it
+only affects the "seconds since eviction" of keys that were never removed. Documented in
+docs/design.md.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset")
-"""Why chunks left the CPU tier (the ``reason`` label)."""
-
-PATHS: tuple[str, ...] = (
-    "store",
-    "lookup",
-    "schedule_end",
-    "complete_store",
-    "reset",
-    "poll_thread",
-    "unobserved",
-)
-"""Which manager entry point was running when the removal happened."""
+from kvobs.codes import PATHS, REASONS, unpack_flags
 
 _MIN_BATCHES = 1024
-_RESET = REASONS.index("reset")
-KEEP_RESETS = 64
-"""Resets are rare and a reset batch may list no keys, so they are also kept on the side."""
 _FLUSH_AT_KEYS = 4096
 _PREFILTER_KEYS = 4  # queries of at least this many keys over a ring of at least
 _PREFILTER_RING = 65_536  # this many keys scan the ring once (see last_removals)
@@ -100,107 +86,54 @@ class EvictionHistory:
         self._batch_req: list[str | None] = [None] * self.batch_capacity
         self._batches_folded = 0
         self._next_serial = 0
-        # Pending batches as flat lists of plain values (key hashes, not keys): recording
-        # creates no container that outlives the call, so it adds no work for the GC.
-        self._p_hashes: list[int] = []
-        self._p_counts: list[int] = []
-        self._p_times: list[float] = []
-        self._p_flags: list[int] = []
-        self._p_reqs: list[str | None] = []
-        # Runs of batches handed over column by column (record_columns), as arrays, in order;
-        # the lists above hold what record() added after them.
-        self._p_sealed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str | None]]] = []
-        self._p_sealed_keys = 0
-        self._resets: deque[Removal] = deque(maxlen=KEEP_RESETS)
+        # Runs handed over by record_columns, folded into the rings in vectorised steps.
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str | None]]] = []
+        self._pending_keys = 0
 
     @property
     def next_serial(self) -> int:
-        """Serial the next batch will get; lookups remember it."""
+        """The serial the next recorded batch must have."""
         return self._next_serial
-
-    def record(
-        self,
-        keys: Sequence[bytes],
-        reason: int,
-        path: int,
-        req_id: str | None,
-        now: float | None = None,
-    ) -> int:
-        """Record one removal batch (an empty batch marks e.g. a reset); return its serial."""
-        serial = self._next_serial
-        self._next_serial = serial + 1
-        now = time.monotonic() if now is None else now
-        hashes = self._p_hashes
-        hashes.extend(map(hash, keys))
-        self._p_counts.append(len(keys))
-        self._p_times.append(now)
-        self._p_flags.append(reason | (path << 2))
-        self._p_reqs.append(req_id)
-        if reason == _RESET:
-            self._resets.append(Removal(serial, now, REASONS[reason], PATHS[path], req_id))
-        if len(hashes) + self._p_sealed_keys >= _FLUSH_AT_KEYS:
-            self._fold()
-        return serial
 
     def record_columns(
         self,
         first_serial: int,
-        hashes: bytes,
-        counts: bytes,
-        times: bytes,
-        flags: bytes,
-        reqs: list[str | None],
-        resets: int = 0,
+        hashes: Any,
+        counts: Any,
+        times: Any,
+        flags: Any,
+        reqs: Sequence[str | None],
     ) -> None:
-        """Record a run of batches given column by column, as :meth:`record` would one by one.
+        """Record a run of removal batches given column by column (``kvobs.recording.RemovalRun``).
 
         ``hashes`` are ``hash(key)`` of every key and ``counts`` the keys per batch (native
-        int64), ``times`` monotonic seconds (float64), ``flags`` ``reason | path << 2`` (int64);
-        the first batch must get ``first_serial``; ``resets`` says how many are resets.
+        int64), ``times`` monotonic seconds (float64), ``flags`` ``kvobs.codes.pack_flags``
+        (uint8); the first batch must get ``first_serial``. The columns are copied.
         """
-        if not counts:  # an empty run (its first_serial means nothing)
-            return
-        if first_serial != self._next_serial:
-            raise ValueError(f"batch serial {first_serial} where the history expects {self._next_serial}")
         key_hashes = np.frombuffer(hashes, dtype=np.int64)
         batch_counts = np.frombuffer(counts, dtype=np.int64)
         batch_times = np.frombuffer(times, dtype=np.float64)
-        batch_flags = np.frombuffer(flags, dtype=np.int64)
+        batch_flags = np.frombuffer(flags, dtype=np.uint8)
         n = len(batch_counts)
+        if n == 0:
+            return
+        if first_serial != self._next_serial:
+            raise ValueError(f"batch serial {first_serial} where the history expects {self._next_serial}")
         if not (n == len(batch_times) == len(batch_flags) == len(reqs)) or int(batch_counts.sum()) != len(key_hashes):
             raise ValueError("removal columns of different lengths")
-        self._seal_open()
-        self._p_sealed.append((key_hashes, batch_counts, batch_times, batch_flags, reqs))
-        self._p_sealed_keys += len(key_hashes)
+        self._pending.append(
+            (key_hashes.copy(), batch_counts.copy(), batch_times.copy(), batch_flags.copy(), list(reqs))
+        )
+        self._pending_keys += len(key_hashes)
         self._next_serial = first_serial + n
-        if resets:
-            for i in np.flatnonzero((batch_flags & 3) == _RESET).tolist():
-                self._resets.append(Removal(
-                    first_serial + i, float(batch_times[i]), REASONS[_RESET], PATHS[int(batch_flags[i]) >> 2], reqs[i]
-                ))
-        if self._p_sealed_keys + len(self._p_hashes) >= _FLUSH_AT_KEYS:
+        if self._pending_keys >= _FLUSH_AT_KEYS:
             self._fold()
 
-    def _seal_open(self) -> None:
-        """Turn what record() added into a sealed run (keeps batch order when both are used)."""
-        if not self._p_counts:
-            return
-        self._p_sealed.append((
-            np.array(self._p_hashes, dtype=np.int64),
-            np.array(self._p_counts, dtype=np.int64),
-            np.array(self._p_times, dtype=np.float64),
-            np.array(self._p_flags, dtype=np.int64),
-            self._p_reqs,
-        ))
-        self._p_sealed_keys += len(self._p_hashes)
-        self._p_hashes, self._p_counts, self._p_times, self._p_flags, self._p_reqs = [], [], [], [], []
-
     def _fold(self) -> None:
-        """Move pending batches into the rings with a few vectorised writes."""
-        if not self._p_counts and not self._p_sealed:
+        """Move pending runs into the rings with a few vectorised writes."""
+        if not self._pending:
             return
-        self._seal_open()
-        parts, self._p_sealed, self._p_sealed_keys = self._p_sealed, [], 0
+        parts, self._pending, self._pending_keys = self._pending, [], 0
         if len(parts) == 1:
             hashes, counts, times, flags, reqs = parts[0]
         else:
@@ -258,66 +191,88 @@ class EvictionHistory:
 
     def _removal(self, serial: int) -> Removal:
         slot = serial % self.batch_capacity
-        flags = int(self._batch_flags[slot])
+        reason, path = unpack_flags(int(self._batch_flags[slot]))
         return Removal(
             serial=serial,
             time=float(self._batch_time[slot]),
-            reason=REASONS[flags & 0b11],
-            path=PATHS[flags >> 2],
+            reason=REASONS[reason],
+            path=PATHS[path],
             req_id=self._batch_req[slot],
         )
 
+    def removal_at(self, serial: int) -> Removal | None:
+        """The batch with this serial, if the history still holds its details."""
+        self._fold()
+        if not self._oldest_live_serial() <= serial < self._batches_folded:
+            return None
+        return self._removal(serial)
+
     def last_removals(self, keys: Sequence[bytes]) -> list[Removal | None]:
         """The most recent removal of each key, or None where none is recorded."""
+        return self._removals(keys, None)
+
+    def first_removals(self, keys: Sequence[bytes], since: Sequence[int]) -> list[Removal | None]:
+        """For each key, its first removal with a serial >= ``since[i]`` (the removal that broke a
+        promise made at that serial), or None where none is recorded with its details."""
+        return self._removals(keys, np.asarray(since, dtype=np.int64))
+
+    def _removals(self, keys: Sequence[bytes], since: np.ndarray | None) -> list[Removal | None]:
         self._fold()
         filled = min(self._keys_written, self.capacity)
+        if not filled or not keys:
+            return [None] * len(keys)
         ring = self._key_fp[:filled]
-        oldest_live = self._oldest_live_serial()
         wanted = fingerprints(keys, len(keys))
-        if len(keys) >= _SORT_JOIN_KEYS and filled:
-            return self._last_removals_sorted(ring, wanted, oldest_live)
+        if len(keys) >= _SORT_JOIN_KEYS:
+            serials = self._sorted_join(ring, wanted, since)
+        else:
+            serials = self._scan(ring, wanted, since)
+        oldest_live = self._oldest_live_serial()
+        return [self._removal(serial) if serial >= oldest_live else None for serial in serials]
+
+    def _scan(self, ring: np.ndarray, wanted: np.ndarray, since: np.ndarray | None) -> list[int]:
+        """Per key, the serial asked for (-1: none), by scanning the ring for its fingerprint."""
         positions: np.ndarray | None = None
-        if len(keys) >= _PREFILTER_KEYS and filled >= _PREFILTER_RING:
+        if len(wanted) >= _PREFILTER_KEYS and len(ring) >= _PREFILTER_RING:
             # One pass over the ring instead of one per key: a 64 Ki-entry table
             # of the wanted fingerprints' low 16 bits picks the few candidates.
             table = np.zeros(1 << 16, dtype=bool)
             table[wanted & 0xFFFF] = True
             positions = np.flatnonzero(np.take(table, ring & 0xFFFF))
             ring = ring[positions]
-        out: list[Removal | None] = []
-        for fp in wanted.tolist():
+        out: list[int] = []
+        for i, fp in enumerate(wanted.tolist()):
             where = np.flatnonzero(ring == fp)
             if positions is not None:
                 where = positions[where]
-            if where.size == 0:
-                out.append(None)
-                continue
-            serial = int(self._full_serials(self._key_serial[where]).max())
-            out.append(self._removal(serial) if serial >= oldest_live else None)
+            serials = self._full_serials(self._key_serial[where])
+            if since is not None:
+                serials = serials[serials >= since[i]]
+            if serials.size == 0:
+                out.append(-1)
+            else:
+                out.append(int(serials.max() if since is None else serials.min()))
         return out
 
-    def _last_removals_sorted(
-        self, ring: np.ndarray, wanted: np.ndarray, oldest_live: int
-    ) -> list[Removal | None]:
-        """``last_removals`` for many keys: O((n + m) log n), not one ring scan per key.
+    def _sorted_join(self, ring: np.ndarray, wanted: np.ndarray, since: np.ndarray | None) -> list[int]:
+        """``_scan`` for many keys: O((n + m) log n), not one ring scan per key.
 
-        The keys of a long load (tens of thousands) made the per-key scans quadratic: 60,000
+        The keys of a long load (tens of thousands) made per-key scans quadratic: 60,000
         keys over a full 1M-key ring took 14 s on the failing scheduler thread.
         """
         serials = self._full_serials(self._key_serial[: len(ring)])
-        order = np.lexsort((serials, ring))  # by fingerprint, then serial: a run's last is its newest
+        order = np.lexsort((serials, ring))  # by fingerprint, then serial
         sorted_fps, sorted_serials = ring[order], serials[order]
-        last = np.searchsorted(sorted_fps, wanted, side="right") - 1
-        safe = np.maximum(last, 0)
-        hit = (last >= 0) & (sorted_fps[safe] == wanted)
-        return [
-            self._removal(serial) if found and serial >= oldest_live else None
-            for found, serial in zip(hit.tolist(), sorted_serials[safe].tolist(), strict=True)
-        ]
-
-    def reset_since(self, serial: int) -> Removal | None:
-        """The first reset with a serial >= ``serial`` among the last ``KEEP_RESETS`` resets."""
-        return next((reset for reset in self._resets if reset.serial >= serial), None)
+        if since is None:  # a fingerprint's run ends with its newest removal
+            at = np.searchsorted(sorted_fps, wanted, side="right") - 1
+        else:  # the first of a fingerprint's run at or after ``since``: one search on (fingerprint, serial)
+            base = int(sorted_serials.min())  # serials held span less than 2**32 batches
+            joined = (sorted_fps.astype(np.uint64) << np.uint64(32)) | (sorted_serials - base).astype(np.uint64)
+            query = (wanted.astype(np.uint64) << np.uint64(32)) | np.clip(since - base, 0, 2**32 - 1).astype(np.uint64)
+            at = np.searchsorted(joined, query, side="left")
+        safe = np.clip(at, 0, len(ring) - 1)
+        hit = (at >= 0) & (at < len(ring)) & (sorted_fps[safe] == wanted)
+        return np.where(hit, sorted_serials[safe], -1).tolist()
 
     def stats(self) -> HistoryStats:
         """How many keys and batches are held, and the time span they cover.

@@ -1,8 +1,10 @@
 """Follow every engine's journal files and failure reports in a kvobs directory.
 
-Picks up engines that start later (new files), keeps what it has when they die,
-forgets the position of rotated-away files, and checkpoints its state (with
-every file offset) atomically, so a restart neither loses nor double counts.
+Picks up engines that start later (new files), keeps what it has when they die, forgets
+the position of rotated-away files, and checkpoints its state (with every file position)
+atomically, so a restart neither loses nor double counts. One file it cannot read (another
+uid's, a symlink, a damaged report) is skipped, counted by source and reason, and named
+once in the log; the others are read as usual.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from kvobs.journal import JournalPosition, private_dir, read_new_records, read_report, write_durably
+from kvobs.files import private_dir, write_durably
 from kvobs.sidecar.state import SidecarState, load_checkpoint
+from kvobs.wire import JournalPosition, read_new_records, read_report, report_files
 
 logger = logging.getLogger("kvobs.sidecar")
 
@@ -23,6 +26,12 @@ POLL_S = 0.5
 ROUND_BYTES = 8 * 2**20  # per journal file and round
 SLICE_BYTES = 2**20  # folded under the lock at once
 CHECKPOINT_EVERY_S = 5.0
+MAX_NAMED_FILES = 1_000  # files whose skip was logged (each is logged once)
+
+
+def journal_stem(name: str) -> str:
+    """``<engine>-<pid>[_<n>]`` of ``<stem>.<seq>.jsonl``."""
+    return name[: -len(".jsonl")].rpartition(".")[0]
 
 
 class Ingest:
@@ -33,77 +42,111 @@ class Ingest:
         self.checkpoint_path = self.dir / CHECKPOINT
         self.lock = threading.Lock()
         self.errors = 0
+        self._named: set[str] = set()
+        restored: SidecarState | None = None
         try:
             restored = load_checkpoint(self.checkpoint_path)
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.error("kvobs sidecar: ignoring unreadable checkpoint %s: %r", self.checkpoint_path, exc)
-            restored, self.errors = None, 1
+        except (OSError, ValueError) as exc:
+            logger.error("kvobs sidecar: ignoring checkpoint %s it cannot trust (%s); starting afresh",
+                         self.checkpoint_path, exc)
+            restored = SidecarState()
+            restored.skipped["checkpoint", "corrupt"] += 1
         self.state = restored or SidecarState()
         self.last_poll = 0.0
         self._last_checkpoint = time.monotonic()
         self._stop = threading.Event()
 
+    def _skip(self, source: str, reason: str, path: Path, detail: object) -> None:
+        """Count a file or record that cannot be read (under the lock); name the file in the log once."""
+        self.state.skipped[source, reason] += 1
+        if path.name not in self._named and len(self._named) < MAX_NAMED_FILES:
+            self._named.add(path.name)
+            logger.warning("kvobs sidecar: skipping %s %s (%s): %s", source, path, reason, detail)
+
     def poll(self) -> None:
         """Read whatever is new; checkpoint when due.
 
-        Lines are read and parsed outside the lock and folded under it in slices
-        of at most ``SLICE_BYTES`` (each slice with its file offset, so a checkpoint
-        never sees records without their offset): a scrape waits for one slice,
-        not for a whole round of every engine's journal.
+        Lines are read and parsed outside the lock and folded under it in slices of at
+        most ``SLICE_BYTES`` (each slice with its file position, so a checkpoint never sees
+        records without their position): a scrape waits for one slice, not a whole round.
         """
         journal_dir = self.dir / "journal"
-        files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+        try:
+            files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+        except OSError as exc:
+            files = []
+            with self.lock:
+                self._skip("journal", "unreadable", journal_dir, exc)
         with self.lock:
             state = self.state
             present = {f.name for f in files}
             for name in [n for n in state.positions if n not in present]:
                 del state.positions[name]  # rotated away or removed
-            offsets = {f.name: state.positions.get(f.name, 0) for f in files}
+            positions = {f.name: state.positions.get(f.name, (0, False)) for f in files}
+            state.retire_writers({journal_stem(name) for name in present})
         for path in files:
-            offset, budget = offsets[path.name], ROUND_BYTES
-            while budget > 0:
-                position = JournalPosition(offset)
-                try:
-                    records = list(read_new_records(path, position, min(SLICE_BYTES, budget)))
-                    if position.offset == offset and budget > SLICE_BYTES:  # a line longer than a slice
-                        records = list(read_new_records(path, position, budget))
-                except FileNotFoundError:
-                    break
-                if position.offset == offset:
-                    break
-                budget -= position.offset - offset
-                offset = position.offset
-                with self.lock:
-                    for record in records:
-                        state.apply(record)
-                    state.positions[path.name] = offset
-                time.sleep(0)  # hand the GIL to a waiting scrape between slices
+            self._read_journal(path, *positions[path.name])
         with self.lock:
             self._read_reports()
             self.last_poll = time.time()
         if time.monotonic() - self._last_checkpoint >= CHECKPOINT_EVERY_S:
             self.checkpoint()
 
+    def _read_journal(self, path: Path, offset: int, skipping: bool) -> None:
+        stem = journal_stem(path.name)
+        given_up = offset < 0  # unreadable last time: tried again quietly, read from the start if it now is
+        if given_up:
+            offset, skipping = 0, False
+        budget = ROUND_BYTES
+        while budget > 0:
+            position = JournalPosition(offset, skipping)
+            try:
+                records = list(read_new_records(path, position, min(SLICE_BYTES, budget)))
+                if position.offset == offset and budget > SLICE_BYTES:  # a line longer than a slice
+                    records = list(read_new_records(path, position, budget))
+            except FileNotFoundError:
+                return
+            except OSError as exc:  # another uid's file, a symlink, a FIFO: skipped, the others go on
+                if not given_up:
+                    with self.lock:
+                        self.state.positions[path.name] = (-1, False)  # -1: unreadable, counted once
+                        self._skip("journal", "unreadable", path, exc)
+                return
+            if position.offset == offset and position.skipping == skipping:
+                return
+            budget -= position.offset - offset
+            offset, skipping = position.offset, position.skipping
+            with self.lock:
+                for record in records:
+                    if record is None:
+                        self._skip("journal", "corrupt", path, "a line that is not a kvobs record")
+                    else:
+                        self.state.apply(record, stem)
+                self.state.positions[path.name] = (offset, skipping)
+            time.sleep(0)  # hand the GIL to a waiting scrape between slices
+
     def _read_reports(self) -> None:
-        failures = self.dir / "failures"
-        if not failures.is_dir():
-            return
-        for path in sorted(failures.glob("*.json")):
-            if path.name in self.state.reports_seen:
+        state = self.state
+        for path in report_files(self.dir / "failures"):
+            if path.name in state.reports_seen:
                 continue
             try:
                 report = read_report(path)
             except FileNotFoundError:
                 continue
-            except ValueError:
-                self.state.reports_seen.add(path.name)
-                self.state.corrupt += 1
+            except OSError as exc:
+                state.reports_seen.add(path.name)
+                self._skip("report", "unreadable", path, exc)
                 continue
-            self.state.apply_report(path.name, report)
+            except ValueError as exc:
+                state.reports_seen.add(path.name)
+                self._skip("report", "corrupt", path, exc)
+                continue
+            state.apply_report(report)
 
     def checkpoint(self) -> None:
         with self.lock:
-            data = json.dumps(self.state.to_json()).encode()
+            data = json.dumps(self.state.to_json(), allow_nan=False).encode()
         write_durably(self.checkpoint_path, data)
         self._last_checkpoint = time.monotonic()
 

@@ -8,13 +8,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvobs import __version__
-from kvobs.diagnosis import CAUSES
-from kvobs.history import REASONS
-from kvobs.observer import STAGES
+from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES
 from kvobs.sidecar.ingest import Ingest
-from kvobs.sidecar.state import Histogram
+from kvobs.wire import Histogram
 
-DROP_STAGES = ("journal", "verdicts", "ingest")
+SKIP_SOURCES = ("journal", "report", "checkpoint")
+SKIP_REASONS = ("corrupt", "unreadable")
 
 
 def _hist(family: HistogramMetricFamily, labels: list[str], hist: Histogram | None) -> None:
@@ -72,8 +71,8 @@ class KvobsCollector(Collector):
         )
         build = GaugeMetricFamily(
             "kvobs_build_info",
-            "kvobs and vLLM versions, per engine (engine=sidecar: this process).",
-            labels=["engine", "version", "vllm_version"],
+            "kvobs and vLLM versions and the hot path each engine runs (compiled or python).",
+            labels=["engine", "version", "vllm_version", "hot_path"],
         )
         last = GaugeMetricFamily(
             "kvobs_engine_last_record_timestamp_seconds",
@@ -83,7 +82,6 @@ class KvobsCollector(Collector):
         ingest = self.ingest
         with ingest.lock:
             state = ingest.state
-            build.add_metric(["sidecar", __version__, ""], 1)
             for name, engine in sorted(state.engines.items()):
                 totals = engine.totals()
                 latest = engine.latest()
@@ -102,17 +100,17 @@ class KvobsCollector(Collector):
                     dropped.add_metric([name, stage], totals.get("dropped", {}).get(stage, 0))
                 for stage in STAGES:
                     errors.add_metric([name, stage], totals.get("errors", {}).get(stage, 0))
-                hist_chunks.add_metric([name], float(latest.get("hist_keys") or 0))
-                hist_window.add_metric([name], float(latest.get("hist_window") or 0.0))
-                build.add_metric(
-                    [name, str(engine.hello.get("version", "")), str(engine.hello.get("vllm_version", ""))], 1
-                )
+                hist_chunks.add_metric([name], 0.0 if latest is None else latest.history_keys)
+                hist_window.add_metric([name], 0.0 if latest is None else latest.history_window_s)
+                hello = engine.hello
+                if hello is not None:
+                    build.add_metric([name, hello.version, hello.vllm_version, hello.hot_path], 1)
                 last.add_metric([name], engine.last_record_time)
-            dropped.add_metric(["sidecar", "ingest"], state.corrupt)
-            errors.add_metric(["sidecar", "sidecar"], ingest.errors)
+            skipped = dict(state.skipped)
             records = state.records
             engines = len(state.engines)
             last_poll = ingest.last_poll
+            ingest_errors = ingest.errors
         yield from (
             evicted,
             batches,
@@ -130,6 +128,21 @@ class KvobsCollector(Collector):
         ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")
         ingested.add_metric([], records)
         yield ingested
+        skips = CounterMetricFamily(
+            "kvobs_sidecar_skipped",
+            "Journal records and files the sidecar skipped (corrupt, or unreadable: another uid's, a symlink).",
+            labels=["source", "reason"],
+        )
+        for source in SKIP_SOURCES:
+            for reason in SKIP_REASONS:
+                skips.add_metric([source, reason], skipped.get((source, reason), 0))
+        yield skips
+        faults = CounterMetricFamily("kvobs_sidecar_internal_errors", "Ingest rounds that failed (logged once).")
+        faults.add_metric([], ingest_errors)
+        yield faults
+        sidecar = GaugeMetricFamily("kvobs_sidecar_build_info", "The sidecar's own kvobs version.", labels=["version"])
+        sidecar.add_metric([__version__], 1)
+        yield sidecar
         seen = GaugeMetricFamily("kvobs_sidecar_engines", "Engines the sidecar has seen.")
         seen.add_metric([], engines)
         yield seen

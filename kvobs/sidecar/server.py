@@ -9,6 +9,7 @@ connection slot for as long as it likes), request lines and headers capped by
 
 from __future__ import annotations
 
+import gzip
 import io
 import itertools
 import json
@@ -24,10 +25,9 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from kvobs.journal import iter_reports
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-from kvobs.sidecar.render import Unsupported, fast_encoder
+from kvobs.wire import iter_reports
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -35,6 +35,16 @@ REQUEST_DEADLINE_S = 10.0
 """From the start of waiting for a request to the end of its headers (idle keep-alive included)."""
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
+
+
+def _accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header takes gzip (and does not refuse it with q=0)."""
+    for part in header.split(","):
+        name, _, params = part.strip().partition(";")
+        if name.strip().lower() == "gzip":
+            q = params.strip().lower()
+            return not (q.startswith("q=") and q[2:].strip() in ("0", "0.0", "0.00", "0.000"))
+    return False
 
 
 def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
@@ -114,9 +124,11 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet: Prometheus scrapes often
         return
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
+    def _send(self, status: int, body: bytes, content_type: str, gzipped: bool = False) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
+        if gzipped:
+            self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
@@ -130,7 +142,9 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if url.path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(HTTPStatus.OK, self._metrics_body(encoder), content_type)
+            body = encoder(self.server.registry)
+            gzipped = _accepts_gzip(self.headers.get("Accept-Encoding", ""))
+            self._send(HTTPStatus.OK, gzip.compress(body, compresslevel=5) if gzipped else body, content_type, gzipped)
         elif url.path == "/healthz":
             ingest = self.server.ingest
             with ingest.lock:
@@ -157,16 +171,6 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
 
-    def _metrics_body(self, encoder: Any) -> bytes:
-        """The same bytes as ``encoder(registry)``, through the fast renderer when it has one."""
-        fast = fast_encoder(encoder)
-        if fast is not None:
-            try:
-                return fast(self.server.collector.collect())
-            except Unsupported:
-                pass
-        return bytes(encoder(self.server.registry))
-
     def do_HEAD(self) -> None:
         self.do_GET()
 
@@ -181,13 +185,26 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _refuse
 
 
+class ListenError(OSError):
+    """The sidecar cannot bind its address."""
+
+
 def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464) -> None:
-    """Run ingest and HTTP until interrupted; checkpoint on the way out."""
+    """Run ingest and HTTP until interrupted; checkpoint on the way out.
+
+    ``FileNotFoundError`` if ``directory`` does not exist (a mistyped path must not look
+    healthy), :class:`ListenError` if the address cannot be bound.
+    """
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory")
     ingest = Ingest(directory)
+    try:
+        server = SidecarServer((host, port), ingest)
+    except OSError as exc:
+        raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     ingest.poll()
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
     worker.start()
-    server = SidecarServer((host, port), ingest)
     try:
         server.serve_forever(poll_interval=0.5)
     finally:

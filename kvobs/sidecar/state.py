@@ -1,173 +1,88 @@
-"""What the sidecar knows, folded from journal records and failure reports.
+"""What the sidecar knows, folded from validated journal records and failure reports.
 
-Counters come from the engines' cumulative ``totals`` records (exact even when
-batch records were dropped, and never double counted); histograms are
-aggregated here from raw batch records and reports. The whole state, with the
-read offset of every journal file, is checkpointed atomically, so a restarted
-sidecar resumes where its checkpoint left off instead of counting twice.
+Counters come from each writer's cumulative ``totals`` records: a writer (one journal sink of
+one engine process) counts from zero, so an engine's counter is the sum of its writers' latest
+totals. A writer stays *live* (its latest totals kept apart) while any of its journal files
+exists, since only then can it write again; when its last file is gone its totals move into the
+engine's *retired* sum. So totals stay exact whatever the number of writers, and memory is
+bounded by the files in the directory. Histograms are aggregated here from removal runs and
+reports. The whole state, with every file's read position, is checkpointed atomically, and a
+checkpoint is validated like any other input when it is read back.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvobs.diagnosis import CAUSES
-from kvobs.history import REASONS
-
-BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1800.0,
-    3600.0,
-    7200.0,
-    14400.0,
-    43200.0,
-    86400.0,
+from kvobs.codes import CAUSES, REASONS
+from kvobs.wire import (
+    TOTAL_KEYS,
+    Ages,
+    Hello,
+    Histogram,
+    Record,
+    Removals,
+    Report,
+    Totals,
+    is_count,
+    is_label,
+    is_seconds,
 )
-"""Histogram upper bounds: 1 ms to 1 day (residency and eviction age)."""
 
-TOTAL_KEYS = ("evicted", "batches", "near", "failures", "errors", "dropped")
-MAX_PIDS_PER_ENGINE = 8
+CHECKPOINT_FORMAT = 2
+
+
+def _add(into: dict[str, dict[str, float]], counters: Mapping[str, Mapping[str, float]]) -> None:
+    for name in TOTAL_KEYS:
+        target = into.setdefault(name, {})
+        for label, value in (counters.get(name) or {}).items():
+            target[label] = target.get(label, 0.0) + value
 
 
 @dataclass
-class Histogram:
-    """Cumulative-ready bucket counts, sum and count."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        self.observe_many((value,))
-
-    def observe_many(self, values: Iterable[float]) -> None:
-        counts = self.counts
-        for value in values:
-            counts[bisect.bisect_left(BUCKETS, value)] += 1
-            self.total += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """(le, cumulative count) pairs, ending with +Inf."""
-        out, running = [], 0
-        for bound, count in zip((*BUCKETS, float("inf")), self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return out
-
-
-def _add(into: dict[str, dict[str, float]], totals: Mapping[str, Any]) -> None:
-    for name in TOTAL_KEYS:
-        target = into.setdefault(name, {})
-        for label, value in (totals.get(name) or {}).items():
-            target[label] = target.get(label, 0) + value
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
-
-
-def _well_typed(record: Mapping[str, Any]) -> bool:
-    """The fields the sidecar folds have the types kvobs writes."""
-    if record.get("t") is not None and not _number(record["t"]):
-        return False
-    if record.get("pid") is not None and not isinstance(record["pid"], int):
-        return False
-    if record.get("run") is not None and not isinstance(record["run"], str):
-        return False
-    kind = record.get("k")
-    if kind == "totals":
-        for name in TOTAL_KEYS:
-            counts = record.get(name)
-            if counts is None:
-                continue
-            if not isinstance(counts, dict) or not all(
-                isinstance(k, str) and _number(v) for k, v in counts.items()
-            ):
-                return False
-        return all(record.get(k) is None or _number(record[k]) for k in ("hist_keys", "hist_window"))
-    if kind == "batch":
-        res, groups = record.get("res"), record.get("g")
-        return (res is None or (isinstance(res, list) and all(_number(a) for a in res))) and (
-            groups is None or isinstance(groups, dict)
-        )
-    return True
-
-
-def _summary(raw: Any) -> tuple[list[tuple[str, str, int]], dict[str, tuple[list[int], float]]] | None:
-    """A report's ``missing_summary`` (counts by cause and group, bucketed ages), or None if ill-typed."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("counts"), list) or not isinstance(raw.get("ages"), dict):
-        return None
-    counts: list[tuple[str, str, int]] = []
-    for row in raw["counts"]:
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[2], int)
-                and not isinstance(row[2], bool) and row[2] >= 0):
-            return None
-        counts.append((row[0], str(row[1]), row[2]))
-    ages: dict[str, tuple[list[int], float]] = {}
-    for group, hist in raw["ages"].items():
-        buckets = hist.get("counts") if isinstance(hist, dict) else None
-        total = hist.get("sum") if isinstance(hist, dict) else None
-        if not (isinstance(buckets, list) and len(buckets) == len(BUCKETS) + 1 and isinstance(total, int | float)
-                and _number(total) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in buckets)):
-            return None
-        ages[str(group)] = (buckets, float(total))
-    return counts, ages
+class LiveWriter:
+    stem: str  # the journal file stem it writes (<engine>-<pid>[_<n>])
+    totals: Totals
 
 
 @dataclass
 class EngineState:
-    """One ``engine`` label: possibly several processes over time (restarts)."""
+    """One ``engine`` label: possibly several writers over time (restarts, several managers)."""
 
-    live: dict[str, dict[str, Any]] = field(default_factory=dict)  # writer ("pid/run") -> latest totals
-    retired: dict[str, dict[str, float]] = field(default_factory=dict)  # totals of pruned writers
-    hello: dict[str, Any] = field(default_factory=dict)
+    live: dict[str, LiveWriter] = field(default_factory=dict)  # "pid/run" -> its latest totals
+    retired: dict[str, dict[str, float]] = field(default_factory=dict)  # summed totals of writers gone
+    hello: Hello | None = None
     last_record_time: float = 0.0
     groups: set[str] = field(default_factory=set)
-    residency: dict[str, Histogram] = field(default_factory=dict)
+    residency: dict[str, Histogram] = field(default_factory=dict)  # reason
     missing: dict[tuple[str, str], int] = field(default_factory=dict)  # (cause, group)
     missing_age: dict[str, Histogram] = field(default_factory=dict)  # group
 
     def totals(self) -> dict[str, dict[str, float]]:
         summed: dict[str, dict[str, float]] = {k: dict(v) for k, v in self.retired.items()}
-        for totals in self.live.values():
-            _add(summed, totals)
+        for writer in self.live.values():
+            _add(summed, writer.totals.counters)
         return summed
 
-    def latest(self) -> dict[str, Any]:
-        return max(self.live.values(), key=lambda t: t.get("t", 0.0), default={})
+    def latest(self) -> Totals | None:
+        return max((w.totals for w in self.live.values()), key=lambda t: t.time, default=None)
 
 
 class SidecarState:
-    """Folds records; ``snapshot`` is read by the metrics collector."""
+    """Folds records and reports; read by the metrics collector under the ingest lock."""
 
     def __init__(self) -> None:
         self.engines: dict[str, EngineState] = {}
-        self.positions: dict[str, int] = {}
+        self.positions: dict[str, tuple[int, bool]] = {}  # file name -> (offset, inside a skipped line)
         self.reports_seen: set[str] = set()
         self.records = 0
-        self.corrupt = 0
+        self.skipped: Counter[tuple[str, str]] = Counter()  # (source, reason) -> records or files skipped
 
     def engine(self, name: str) -> EngineState:
         state = self.engines.get(name)
@@ -175,147 +90,211 @@ class SidecarState:
             state = self.engines[name] = EngineState()
         return state
 
-    def apply(self, record: dict[str, Any] | None) -> None:
-        """Fold one journal record (None, or fields of the wrong type: a corrupt line, counted).
-
-        Checked before anything is folded, so a bad line changes nothing but the
-        corrupt count (an ill-typed totals record would otherwise break every scrape).
-        """
-        if record is None or not isinstance(record.get("e"), str) or not _well_typed(record):
-            self.corrupt += 1
+    def apply(self, record: Record | None, stem: str) -> None:
+        """Fold one journal record read from a file of ``stem`` (None: a corrupt line, counted)."""
+        if record is None:
+            self.skipped["journal", "corrupt"] += 1
             return
         self.records += 1
-        state = self.engine(record["e"])
-        state.last_record_time = max(state.last_record_time, float(record.get("t") or 0.0))
-        kind = record.get("k")
-        if kind == "batch":
-            reason = record.get("r")
-            if reason in REASONS:
-                hist = state.residency.get(reason)
-                if hist is None:
-                    hist = state.residency[reason] = Histogram()
-                hist.observe_many(float(a) for a in record.get("res") or ())
-            state.groups.update(str(g) for g in (record.get("g") or {}))
-        elif kind == "totals":
-            # One writer's cumulative totals; a writer is a pid and, since journals carry it, the
-            # JournalSink's run (a restarted container reuses pids; its totals start from zero).
-            writer = str(int(record.get("pid") or 0))
-            if record.get("run") is not None:
-                writer += f"/{record['run']}"
-            state.live[writer] = {k: record.get(k) for k in (*TOTAL_KEYS, "t", "hist_keys", "hist_window")}
-            if len(state.live) > MAX_PIDS_PER_ENGINE:
-                oldest = min(state.live, key=lambda p: state.live[p].get("t", 0.0))
-                _add(state.retired, state.live.pop(oldest))
-        elif kind == "hello":
-            state.hello = {k: record.get(k) for k in ("version", "vllm_version", "history_size", "pid")}
-
-    def apply_report(self, name: str, report: dict[str, Any]) -> None:
-        """Fold one failure report (each file once)."""
-        if name in self.reports_seen:
+        state = self.engine(record.writer.engine)
+        if isinstance(record, Removals):
+            if record.times:
+                state.last_record_time = max(state.last_record_time, record.times[-1])
+            at = 0
+            for reason, listed in zip(record.reasons, record.listed, strict=True):
+                ages = record.ages[at : at + listed]
+                at += listed
+                if ages:
+                    hist = state.residency.get(reason)
+                    if hist is None:
+                        hist = state.residency[reason] = Histogram()
+                    hist.observe_many(ages)
+            refs = record.keys
+            state.groups.update(str(int.from_bytes(refs[i + 8 : i + 12], "big")) for i in range(0, len(refs), 12))
             return
-        self.reports_seen.add(name)
-        engine = report.get("engine")
-        if not isinstance(engine, str):
-            self.corrupt += 1
-            return
-        missing = report.get("missing") or ()
-        if not isinstance(missing, list) or not all(
-            isinstance(k, dict) and (k.get("seconds_since_eviction") is None or _number(k["seconds_since_eviction"]))
-            for k in missing
-        ):
-            self.corrupt += 1
-            return
-        if "missing_summary" in report:  # every key, aggregated (the list may be cut)
-            summary = _summary(report["missing_summary"])
-            if summary is None:
-                self.corrupt += 1
-                return
-            self._apply_summary(self.engine(engine), *summary)
-            return
-        state = self.engine(engine)
-        for key in missing:
-            group = str(key.get("group"))
-            cause = key.get("cause")
-            if cause not in CAUSES:
-                continue
-            state.groups.add(group)
-            state.missing[(cause, group)] = state.missing.get((cause, group), 0) + 1
-            age = key.get("seconds_since_eviction")
-            if age is not None:
-                hist = state.missing_age.get(group)
-                if hist is None:
-                    hist = state.missing_age[group] = Histogram()
-                hist.observe(float(age))
-
-    @staticmethod
-    def _apply_summary(
-        state: EngineState, counts: list[tuple[str, str, int]], ages: dict[str, tuple[list[int], float]]
-    ) -> None:
-        for cause, group, n in counts:
-            if cause in CAUSES:
-                state.groups.add(group)
-                state.missing[(cause, group)] = state.missing.get((cause, group), 0) + n
-        for group, (buckets, total) in ages.items():
-            hist = state.missing_age.get(group)
+        if isinstance(record, Ages):
+            hist = state.residency.get(record.reason)
             if hist is None:
-                hist = state.missing_age[group] = Histogram()
-            hist.counts = [have + more for have, more in zip(hist.counts, buckets, strict=True)]
-            hist.total += total
+                hist = state.residency[record.reason] = Histogram()
+            hist.observe_many(record.ages)
+            return
+        state.last_record_time = max(state.last_record_time, record.time)
+        if isinstance(record, Totals):
+            writer = f"{record.writer.pid}/{record.writer.run}"
+            state.live[writer] = LiveWriter(stem, record)
+        elif isinstance(record, Hello):
+            state.hello = record
+
+    def retire_writers(self, stems_present: set[str]) -> None:
+        """Writers none of whose journal files exist any more cannot write again: sum them up."""
+        for state in self.engines.values():
+            for writer in [w for w, live in state.live.items() if live.stem not in stems_present]:
+                _add(state.retired, state.live.pop(writer).totals.counters)
+
+    def apply_report(self, report: Report) -> None:
+        """Fold one validated failure report (each file once)."""
+        if report.name in self.reports_seen:
+            return
+        self.reports_seen.add(report.name)
+        state = self.engine(report.engine)
+        for cause, group, n in report.summary.counts:
+            state.groups.add(group)
+            state.missing[(cause, group)] = state.missing.get((cause, group), 0) + n
+        for group, hist in report.summary.ages.items():
+            have = state.missing_age.get(group)
+            if have is None:
+                have = state.missing_age[group] = Histogram()
+            have.add(hist.counts, hist.total)
 
     # -- checkpoint -------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        def hist(h: Histogram) -> dict[str, Any]:
-            return {"counts": h.counts, "total": h.total}
-
         return {
-            "format": 1,
+            "format": CHECKPOINT_FORMAT,
             "saved_at": time.time(),
-            "positions": self.positions,
+            "positions": {name: [offset, skipping] for name, (offset, skipping) in self.positions.items()},
             "reports_seen": sorted(self.reports_seen),
             "records": self.records,
-            "corrupt": self.corrupt,
+            "skipped": [[source, reason, n] for (source, reason), n in self.skipped.items()],
             "engines": {
                 name: {
-                    "live": dict(e.live),
+                    "live": {
+                        writer: {"stem": w.stem, "pid": w.totals.writer.pid, "run": w.totals.writer.run,
+                                 "t": w.totals.time, "counters": w.totals.counters,
+                                 "hist_keys": w.totals.history_keys, "hist_window": w.totals.history_window_s}
+                        for writer, w in e.live.items()
+                    },
                     "retired": e.retired,
-                    "hello": e.hello,
+                    "hello": None if e.hello is None else e.hello._asdict() | {"writer": list(e.hello.writer)},
                     "last_record_time": e.last_record_time,
                     "groups": sorted(e.groups),
-                    "residency": {r: hist(h) for r, h in e.residency.items()},
+                    "residency": {r: h.to_json() for r, h in e.residency.items()},
                     "missing": [[c, g, n] for (c, g), n in e.missing.items()],
-                    "missing_age": {g: hist(h) for g, h in e.missing_age.items()},
+                    "missing_age": {g: h.to_json() for g, h in e.missing_age.items()},
                 }
                 for name, e in self.engines.items()
             },
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SidecarState:
-        def hist(d: dict[str, Any]) -> Histogram:
-            return Histogram(counts=list(d["counts"]), total=float(d["total"]))
+    def from_json(cls, data: Any) -> SidecarState:
+        """A checkpoint read back; ValueError if any part of it is not what to_json writes."""
+        return _Restore(data).state
 
-        state = cls()
-        state.positions = {str(k): int(v) for k, v in data["positions"].items()}
-        state.reports_seen = set(data["reports_seen"])
-        state.records = int(data["records"])
-        state.corrupt = int(data["corrupt"])
-        for name, e in data["engines"].items():
-            engine = state.engine(name)
-            engine.live = {str(writer): t for writer, t in e["live"].items()}
-            engine.retired = e["retired"]
-            engine.hello = e["hello"]
-            engine.last_record_time = float(e["last_record_time"])
-            engine.groups = set(e["groups"])
-            engine.residency = {r: hist(h) for r, h in e["residency"].items()}
-            engine.missing = {(c, g): int(n) for c, g, n in e["missing"]}
-            engine.missing_age = {g: hist(h) for g, h in e["missing_age"].items()}
-        return state
+
+class _Restore:
+    """Reads a checkpoint with the same rules as any other input: every number checked."""
+
+    def __init__(self, data: Any) -> None:
+        if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("not a kvobs sidecar checkpoint of this format")
+        from kvobs.wire import Writer
+
+        self._writer = Writer
+        state = self.state = SidecarState()
+        for name, pos in self._dict(data, "positions").items():
+            if not (isinstance(pos, list) and len(pos) == 2 and is_count(pos[0]) and isinstance(pos[1], bool)):
+                raise ValueError(f"bad position of {name!r}")
+            state.positions[str(name)] = (int(pos[0]), pos[1])
+        seen = data.get("reports_seen")
+        if not isinstance(seen, list) or not all(isinstance(s, str) for s in seen):
+            raise ValueError("bad reports_seen")
+        state.reports_seen = set(seen)
+        state.records = self._count(data.get("records"))
+        for row in data.get("skipped") or []:
+            if not (isinstance(row, list) and len(row) == 3 and is_label(row[0]) and is_label(row[1])):
+                raise ValueError("bad skipped counts")
+            state.skipped[(row[0], row[1])] = self._count(row[2])
+        for name, e in self._dict(data, "engines").items():
+            if not is_label(name):
+                raise ValueError("bad engine label")
+            self._engine(state.engine(name), e)
+
+    @staticmethod
+    def _dict(data: Any, key: str) -> dict[str, Any]:
+        value = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(value, dict):
+            raise ValueError(f"bad {key}")
+        return value
+
+    @staticmethod
+    def _count(value: Any) -> int:
+        if not is_count(value):
+            raise ValueError(f"bad count {value!r:.40}")
+        return int(value)
+
+    @staticmethod
+    def _seconds(value: Any) -> float:
+        if not is_seconds(value):
+            raise ValueError(f"bad time {value!r:.40}")
+        return float(value)
+
+    @staticmethod
+    def _counters(value: Any) -> dict[str, dict[str, float]]:
+        if not isinstance(value, dict) or not set(value) <= set(TOTAL_KEYS):
+            raise ValueError("bad counters")
+        out: dict[str, dict[str, float]] = {}
+        for name, counts in value.items():
+            if not isinstance(counts, dict) or not all(is_label(k, 64) and is_count(v) for k, v in counts.items()):
+                raise ValueError(f"bad {name} counters")
+            out[name] = {k: float(v) for k, v in counts.items()}
+        return out
+
+    @staticmethod
+    def _hist(value: Any) -> Histogram:
+        hist = Histogram.from_json(value)
+        if hist is None:
+            raise ValueError("bad histogram")
+        return hist
+
+    def _engine(self, engine: EngineState, e: Any) -> None:
+        if not isinstance(e, dict):
+            raise ValueError("bad engine state")
+        for writer, w in self._dict(e, "live").items():
+            if not (isinstance(w, dict) and is_label(w.get("stem")) and is_count(w.get("pid"))
+                    and isinstance(w.get("run"), str)):
+                raise ValueError("bad live writer")
+            engine.live[str(writer)] = LiveWriter(w["stem"], Totals(
+                self._writer("", int(w["pid"]), w["run"]), self._seconds(w.get("t")), self._counters(w.get("counters")),
+                float(self._count(w.get("hist_keys"))), self._seconds(w.get("hist_window")),
+            ))
+        engine.retired = self._counters(e.get("retired"))
+        hello = e.get("hello")
+        if hello is not None:
+            try:
+                fields = {k: hello[k] for k in Hello._fields if k != "writer"}
+                writer = hello["writer"]
+                engine.hello = Hello(self._writer(str(writer[0]), int(writer[1]), str(writer[2])), **fields)
+            except (KeyError, TypeError, IndexError, ValueError) as exc:
+                raise ValueError("bad hello") from exc
+        engine.last_record_time = self._seconds(e.get("last_record_time"))
+        groups = e.get("groups")
+        if not isinstance(groups, list) or not all(isinstance(g, str) and g.isdigit() for g in groups):
+            raise ValueError("bad groups")
+        engine.groups = set(groups)
+        for reason, h in self._dict(e, "residency").items():
+            if reason not in REASONS:
+                raise ValueError("bad residency reason")
+            engine.residency[reason] = self._hist(h)
+        for row in e.get("missing") or []:
+            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and isinstance(row[1], str)
+                    and row[1].isdigit()):
+                raise ValueError("bad missing counts")
+            engine.missing[(row[0], row[1])] = self._count(row[2])
+        for group, h in self._dict(e, "missing_age").items():
+            if not group.isdigit():
+                raise ValueError("bad group")
+            engine.missing_age[group] = self._hist(h)
 
 
 def load_checkpoint(path: Path) -> SidecarState | None:
-    """The saved state, or None if there is none or it cannot be read (counted by the caller)."""
+    """The saved state, None if there is none; ValueError if it cannot be trusted (the caller counts it)."""
     try:
-        return SidecarState.from_json(json.loads(path.read_text()))
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError("not JSON") from exc
+    return SidecarState.from_json(data)

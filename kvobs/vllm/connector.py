@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from kvobs.vllm import compat
 from kvobs.vllm.trace_context import TraceHeaders
 
 
@@ -20,6 +21,6 @@ class ObservedOffloadingConnector(OffloadingConnector):
         headers = getattr(request, "trace_headers", None)
         if not headers or self.connector_scheduler is None:
             return
-        status = self.connector_scheduler._req_status.get(request.request_id)
-        if status is not None:
-            status.req_context.set_state(TraceHeaders(dict(headers)))
+        req_context = compat.request_context(self.connector_scheduler, request.request_id)
+        if req_context is not None:
+            req_context.set_state(TraceHeaders(dict(headers)))

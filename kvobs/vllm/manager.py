@@ -1,45 +1,41 @@
 """ObservedOffloadingManager: a transparent OffloadingManager wrapper that keeps evidence.
 
-Rules it follows (notes §2): every OffloadingManager method is overridden and
-forwarded explicitly (with extra keyword arguments); ``lock`` is forwarded and
-never entered here; ``take_events()`` is returned unchanged; attribute reads and
-writes reach the inner manager. Only ``prepare_load`` ever raises something new:
-vLLM's own AssertionError, same object, with the explanation appended.
+Transparent means: same results, same exceptions, same events as the inner manager;
+``lock`` forwarded and never entered here; ``take_events()`` returned unchanged; and
+whatever a caller does with an attribute of the wrapper, it does as on the bare manager:
 
-How it forwards, cheaply: each method is an instance attribute set at
-construction. Methods kvobs has nothing to record for are the inner manager's
-own bound methods; the others are *taps* from :mod:`kvobs.recorder` (C when
-built) that call the inner method and record around it. The class's methods
-below do the same through those attributes, for callers that go through the
-class.
+* data attributes are read, set and deleted on the inner manager;
+* a method assigned on the wrapper (``manager.prepare_store = traced``) is what callers of
+  ``manager.prepare_store`` get, and deleting it brings kvobs's own back, as an instance
+  attribute shadows a class's method; a replacement that calls the method it replaced keeps
+  kvobs recording;
+* ``copy.copy`` shares the evidence (the copy shares the cache policy, as a bare copy does);
+  ``copy.deepcopy`` and ``pickle`` give an independent, freshly observed manager with no
+  journal (its evidence would otherwise mix with the original's under one engine label),
+  and fail where the bare manager's do.
+
+How it forwards, cheaply: each method is an instance attribute set at construction. Methods
+kvobs has nothing to record for are the inner manager's own bound methods; the others are
+taps from :mod:`kvobs.recording` (compiled when built) that call the inner method and record
+around it. Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
+AssertionError, the same object, with the explanation appended.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+import copy
+import dataclasses
+from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
-from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
-    LoadStoreSpec,
-    LookupResult,
-    OffloadingEvent,
-    OffloadingManager,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.base import OffloadingManager
 
+from kvobs.codes import PATH_CODE
 from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
-from kvobs.observer import PATH_CODE, Observer
-from kvobs.recorder import AFTER_FINISHED, AFTER_NONE, AFTER_PINNED
-from kvobs.vllm.policy_hook import PolicyHook
+from kvobs.observer import Observer, Unloadable
+from kvobs.vllm import compat
 from kvobs.vllm.trace_context import TraceHeaders
 
 PASS_THROUGH = (
@@ -56,46 +52,37 @@ PASS_THROUGH = (
 """Methods forwarded as the inner manager's own bound methods (nothing to record)."""
 
 
-def cpu_tier_of(manager: OffloadingManager) -> CPUOffloadingManager | None:
-    """The CPU-resident manager whose policy sees every removal, if kvobs knows it."""
-    if isinstance(manager, TieringOffloadingManager):
-        return manager.primary_tier
-    if isinstance(manager, CPUOffloadingManager):
-        return manager
-    return None
+def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..., None]) -> dict[str, Any]:
+    """kvobs's entry point for every manager method the inner manager has."""
+    rec = observer.recorder
+    taps: dict[str, Any] = {name: getattr(inner, name) for name in PASS_THROUGH if hasattr(inner, name)}
+    taps["lookup"] = rec.lookup_tap(
+        inner.lookup, path=PATH_CODE["lookup"], hit=compat.HIT, hit_pending=compat.HIT_PENDING,
+        marks_frame=compat.lookup_can_remove(inner),
+    )
+    taps["prepare_load"] = rec.load_tap(inner.prepare_load, on_failure=load_failed, on_near=observer.near_missed)
+    taps["prepare_store"] = rec.keys_tap(inner.prepare_store, path=PATH_CODE["store"])
+    taps["complete_store"] = rec.keys_tap(inner.complete_store, path=PATH_CODE["complete_store"])
+    taps["on_request_finished"] = rec.request_tap(inner.on_request_finished, path=PATH_CODE["schedule_end"])
+    taps["on_schedule_end"] = rec.call_tap(inner.on_schedule_end, path=PATH_CODE["schedule_end"])
+    taps["reset_cache"] = rec.call_tap(inner.reset_cache, path=PATH_CODE["reset"])
+    taps["shutdown"] = inner.shutdown  # the class's shutdown() also closes the observer
+    return taps
 
 
 class ObservedOffloadingManager(OffloadingManager):
-    """Wraps ``inner``; same results, same exceptions, same events, plus evidence."""
+    """Wraps ``inner``; same results, same exceptions, same events, plus evidence (see the module)."""
 
     def __init__(self, inner: OffloadingManager, observer: Observer) -> None:
         put = object.__setattr__
         put(self, "_kvobs_inner", inner)
         put(self, "_kvobs_observer", observer)
-        cpu = cpu_tier_of(inner)
-        put(self, "_kvobs_cpu", cpu)
-        recorder = observer.recorder
-        observer.refresh_sinks()
-        hook = PolicyHook(cpu, recorder) if cpu is not None else None
-        put(self, "_kvobs_hook", hook)
-        for name in PASS_THROUGH:
-            put(self, name, getattr(inner, name))
-        # A plain CPU manager's lookup() cannot remove; tiering's can (promotions), so it marks its frame.
-        lookup_removes = not isinstance(inner, CPUOffloadingManager)
-        put(self, "lookup", recorder.lookup_tap(
-            inner.lookup, PATH_CODE["lookup"], LookupResult.HIT, LookupResult.HIT_PENDING, lookup_removes))
-        put(self, "prepare_load", recorder.load_tap(inner.prepare_load, self._kvobs_load_failed, observer.near_missed))
-        put(self, "prepare_store", recorder.call_tap(inner.prepare_store, PATH_CODE["store"], 1, AFTER_NONE))
-        if lookup_removes:  # tiering: its complete_store cascades to other tiers; keep the frame
-            put(self, "complete_store", recorder.call_tap(
-                inner.complete_store, PATH_CODE["complete_store"], 1, AFTER_NONE))
-        else:  # a CPU manager removes there only failed stores, which find their caller (policy_hook)
-            put(self, "complete_store", inner.complete_store)
-        put(self, "on_request_finished", recorder.call_tap(
-            inner.on_request_finished, PATH_CODE["schedule_end"], 0, AFTER_FINISHED))
-        put(self, "on_schedule_end", recorder.call_tap(
-            inner.on_schedule_end, PATH_CODE["schedule_end"], -1, AFTER_PINNED))
-        put(self, "reset_cache", recorder.call_tap(inner.reset_cache, PATH_CODE["reset"], -1, AFTER_NONE))
+        put(self, "_kvobs_cpu", compat.cpu_tier_of(inner))
+        taps = _taps(inner, observer, self._kvobs_load_failed)
+        taps.pop("shutdown")
+        put(self, "_kvobs_taps", taps)
+        for name, tap in taps.items():
+            put(self, name, tap)
 
     # -- attribute transparency ---------------------------------------------
 
@@ -103,10 +90,40 @@ class ObservedOffloadingManager(OffloadingManager):
         return getattr(object.__getattribute__(self, "_kvobs_inner"), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_kvobs_"):
-            object.__setattr__(self, name, value)
+        if name.startswith("_kvobs_") or name in self._kvobs_taps:
+            object.__setattr__(self, name, value)  # a method replaced on this object, as on the bare manager
         else:
             setattr(self._kvobs_inner, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        tap = self._kvobs_taps.get(name)
+        if tap is None:
+            delattr(self._kvobs_inner, name)
+        elif self.__dict__.get(name) is tap:  # nothing was set on the instance, as on the bare manager
+            raise AttributeError(name)
+        else:
+            object.__setattr__(self, name, tap)
+
+    def __copy__(self) -> ObservedOffloadingManager:
+        twin = ObservedOffloadingManager(copy.copy(self._kvobs_inner), self._kvobs_observer)
+        for name, value in self.__dict__.items():
+            if name in self._kvobs_taps and value is not self._kvobs_taps[name]:
+                object.__setattr__(twin, name, value)  # what the caller assigned is copied, as on the bare manager
+        return twin
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ObservedOffloadingManager:
+        from kvobs.vllm.observe import observe_with_options
+
+        return observe_with_options(copy.deepcopy(self._kvobs_inner, memo), self._kvobs_copy_options())
+
+    def __reduce__(self) -> Any:
+        from kvobs.vllm.observe import observe_with_options
+
+        options = dataclasses.replace(self._kvobs_copy_options(), tracer_provider=None)
+        return (observe_with_options, (self._kvobs_inner, options))
+
+    def _kvobs_copy_options(self) -> Any:
+        return dataclasses.replace(self._kvobs_observer.options, dir=None)
 
     @property
     def observer(self) -> Observer:
@@ -120,65 +137,60 @@ class ObservedOffloadingManager(OffloadingManager):
     @property
     def cpu_policy(self) -> Any:
         """The hooked cache policy of the CPU tier (None for a manager kvobs cannot hook)."""
-        return None if self._kvobs_cpu is None else self._kvobs_cpu._policy
+        return None if self._kvobs_cpu is None else compat.policy_of(self._kvobs_cpu)
 
-    def _kvobs_tap(self, name: str) -> Any:
-        return object.__getattribute__(self, "__dict__")[name]
-
-    # -- OffloadingManager (the instance attributes set above answer first) ------------
+    # -- OffloadingManager, called through the class: kvobs's own taps ------------
 
     # The inner manager's lock, read without a Python frame (vLLM takes it every step).
     lock = property(attrgetter("_kvobs_inner.lock"), doc="The inner manager's lock (never entered by kvobs).")
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext, **kwargs: Any) -> LookupResult:
-        return self._kvobs_tap("lookup")(key, req_context, **kwargs)
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["lookup"](*args, **kwargs)
 
-    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return self._kvobs_inner.get_load_source(key, req_context)
+    def get_load_source(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["get_load_source"](*args, **kwargs)
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return self._kvobs_tap("prepare_load")(keys, req_context)
+    def prepare_load(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["prepare_load"](*args, **kwargs)
 
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
-        return self._kvobs_inner.touch(keys, req_context)
+    def touch(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["touch"](*args, **kwargs)
 
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
-        return self._kvobs_inner.complete_load(keys, req_context)
+    def complete_load(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["complete_load"](*args, **kwargs)
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        return self._kvobs_tap("prepare_store")(keys, req_context)
+    def prepare_store(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["prepare_store"](*args, **kwargs)
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> Any:
-        return self._kvobs_tap("complete_store")(keys, req_context, success)
+    def complete_store(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["complete_store"](*args, **kwargs)
 
-    def on_new_request(self, req_context: ReqContext, **kwargs: Any) -> RequestOffloadingContext:
-        return self._kvobs_inner.on_new_request(req_context, **kwargs)
+    def on_new_request(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["on_new_request"](*args, **kwargs)
 
-    def on_request_finished(self, req_context: ReqContext, **kwargs: Any) -> None:
-        self._kvobs_tap("on_request_finished")(req_context, **kwargs)
+    def on_request_finished(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["on_request_finished"](*args, **kwargs)
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        return self._kvobs_inner.take_events()
+    def take_events(self) -> Iterable[Any]:
+        return self._kvobs_taps["take_events"]()
 
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._kvobs_tap("on_schedule_end")(context)
+    def on_schedule_end(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps["on_schedule_end"](*args, **kwargs)
 
-    def has_pending_work(self) -> bool:
-        return self._kvobs_inner.has_pending_work()
+    def has_pending_work(self) -> Any:
+        return self._kvobs_taps["has_pending_work"]()
 
-    def reset_cache(self) -> None:
-        self._kvobs_tap("reset_cache")()
+    def reset_cache(self) -> Any:
+        return self._kvobs_taps["reset_cache"]()
 
-    def on_reset_flushed(self) -> None:
-        self._kvobs_inner.on_reset_flushed()
+    def on_reset_flushed(self) -> Any:
+        return self._kvobs_taps["on_reset_flushed"]()
 
     def get_stats(self) -> Any:
-        return self._kvobs_inner.get_stats()
+        return self._kvobs_taps["get_stats"]()
 
-    def config_info(self) -> Sequence[ConfigInfoMapping]:
-        return self._kvobs_inner.config_info()
+    def config_info(self) -> Any:
+        return self._kvobs_taps["config_info"]()
 
     def shutdown(self) -> None:
         try:
@@ -189,52 +201,47 @@ class ObservedOffloadingManager(OffloadingManager):
             except Exception as exc:
                 self._kvobs_observer.internal_error("shutdown", exc)
 
-    def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """The load tap's callback on vLLM's assertion: near misses, then the explanation (never raises)."""
-        try:
-            self._kvobs_observer.loading(req_context.req_id, keys)
-        except Exception as fault:
-            self._kvobs_observer.internal_error("record.load", fault)
-        self._kvobs_explain(exc, keys, req_context)
-
     # -- the explanation ------------------------------------------------------------
 
-    def _kvobs_explain(self, exc: AssertionError, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Append kvobs's diagnosis to vLLM's assertion (same object, same traceback)."""
+    def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> None:
+        """The load tap's callback on vLLM's assertion: near misses, then the explanation (never raises)."""
+        observer = self._kvobs_observer
+        try:
+            keys = list(keys)
+            recorder = observer.recorder
+            observer.near_missed(req_context.req_id, observer.promises.redeemed(
+                req_context.req_id, keys, recorder.recent, recorder.next_serial))
+        except Exception as fault:
+            observer.internal_error("record.load", fault)
         try:
             vllm_message = str(exc)
-            keys = list(keys)
-            unloadable = self._kvobs_unloadable(keys, req_context, vllm_message)
-            positions = [p for k in keys if (p := req_context.get_offload_key_position(k)) is not None]
+            unloadable = self._kvobs_unloadable(list(keys), req_context, vllm_message)
+            positions = [p for k in keys if (p := compat.key_position(req_context, k)) is not None]
             token_range = (min(positions), max(positions)) if positions else None
-            failing = next((g for k, g, _, _ in unloadable if repr(k) in vllm_message), None)
+            failing = next((u.group for u in unloadable if repr(u.key) in vllm_message), None)
             carried = req_context.get_state(TraceHeaders)
-            diagnosis = self._kvobs_observer.load_failed(
+            diagnosis = observer.load_failed(
                 vllm_message, req_context.req_id, len(keys), token_range, unloadable, failing,
                 trace_headers=None if carried is None else carried.headers,
             )
             exc.args = (diagnosis.message, *exc.args[1:])
         except Exception as fault:  # the original assertion still propagates
-            self._kvobs_observer.internal_error("diagnosis", fault)
+            observer.internal_error("diagnosis", fault)
             return
-        self._kvobs_observer.publish_failure(diagnosis, exc)
+        observer.publish_failure(diagnosis, exc)
 
-    def _kvobs_unloadable(
-        self, keys: list[OffloadKey], req_context: ReqContext, vllm_message: str
-    ) -> list[tuple[bytes, int, int | None, str]]:
-        """(key, group, end_token, state) of every key of the load that cannot be read."""
+    def _kvobs_unloadable(self, keys: Sequence[bytes], req_context: Any, vllm_message: str) -> list[Unloadable]:
+        """Every key of the load that cannot be read, with its group, end token and state."""
         cpu = self._kvobs_cpu
-        out: list[tuple[bytes, int, int | None, str]] = []
+        out: list[Unloadable] = []
         for key in keys:
             if cpu is not None:
-                chunk = cpu._policy.get(key)
-                if chunk is not None and chunk.is_ready:
+                state = compat.chunk_state(cpu, key)
+                if state is None:
                     continue
-                state = MISSING if chunk is None else NOT_READY
             elif repr(key) in vllm_message:  # an unknown manager: only the named key is known
                 state = NOT_READY if "not ready" in vllm_message else MISSING
             else:
                 continue
-            out.append((key, key_group(key), req_context.get_offload_key_position(key), state))
+            out.append(Unloadable(key, key_group(key), compat.key_position(req_context, key), state))
         return out
-

@@ -1,4 +1,4 @@
-"""vLLM #50014 reproduced through the real ``OffloadingConnectorScheduler`` (see kvobs.vllm.scheduler_driver)."""
+"""vLLM #50014 reproduced through the real ``OffloadingConnectorScheduler`` (see kvobs.demo.driver)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey
 
-from kvobs.vllm.incidents import promotion_evicts_hit
-from kvobs.vllm.scheduler_driver import (
+from kvobs.demo.driver import (
     FA_GROUP,
     SW_GROUP,
     EngineStepDriver,
@@ -17,6 +16,7 @@ from kvobs.vllm.scheduler_driver import (
     make_request,
     offload_key,
 )
+from kvobs.demo.incidents import promotion_evicts_hit
 
 DOCUMENT = list(range(1000, 1160))
 FILLER = list(range(5000, 5032))
@@ -47,7 +47,7 @@ def reproduce_promotion_evicts_hit(
     spec_module_path: str | None = None,
     hybrid: bool = True,
 ) -> PromotionEvictsHitResult:
-    """Reproduce vLLM #50014 (``kvobs.vllm.incidents.promotion_evicts_hit``) on a fresh engine.
+    """Reproduce vLLM #50014 (``kvobs.demo.incidents.promotion_evicts_hit``) on a fresh engine.
 
     With ``hybrid=False`` (e.g. ``CPUOffloadingSpec``) the same steps run and ``c`` loads,
     prefills and finishes normally; ``error`` is then None. The spec is always shut down.

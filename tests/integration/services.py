@@ -59,6 +59,7 @@ class Sidecar:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Sidecar:
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a deployment's volume exists before it starts
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port)],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -132,6 +132,7 @@ def run_healthcheck(env: dict[str, str]) -> int:
 def test_the_images_command_line_runs_the_sidecar(tmp_path: Path) -> None:
     command = image_command()
     directory, port = tmp_path / "kvobs", str(free_port())
+    directory.mkdir(mode=0o700)  # the image creates its /var/lib/kvobs
     command[command.index("--dir") + 1] = str(directory)
     command[command.index("--port") + 1] = port
     (tmp_path / "site").mkdir()
@@ -146,7 +147,7 @@ def test_the_images_command_line_runs_the_sidecar(tmp_path: Path) -> None:
         wait_for(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, what="/healthz of the image command")
         status, content_type, body = http_get(f"http://127.0.0.1:{port}/metrics")
         assert status == 200 and content_type.startswith("text/plain")
-        assert b'kvobs_build_info{engine="sidecar"' in body and b"kvobs_sidecar_engines 0.0" in body
+        assert b"kvobs_sidecar_build_info{version=" in body and b"kvobs_sidecar_engines 0.0" in body
         assert json.loads(http_get(f"http://127.0.0.1:{port}/api/v1/failures")[2])["failures"] == []
         assert run_healthcheck(env) == 0  # the image's HEALTHCHECK, as written
     finally:

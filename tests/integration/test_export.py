@@ -196,14 +196,14 @@ def test_failure_span_joins_the_requests_trace_when_the_connector_carried_it() -
 
 
 def test_reset_of_a_large_cpu_tier_reaches_the_residency_histogram_whole(tmp_path: Path) -> None:
-    """One removal batch of 40,000 chunks is journaled as several bounded lines, and the sidecar
-    folds every age of it (a single line would exceed what the sidecar reads as one record)."""
+    """One removal batch of 40,000 chunks is journaled as bounded lines (its first KEYS_LISTED keys
+    named, every age carried), and the sidecar folds every age of it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvobs.journal import RESIDENCIES_PER_RECORD
+    from kvobs.wire import AGES_PER_LINE, KEYS_LISTED
 
-    chunks = 40_000
-    assert chunks > 2 * RESIDENCIES_PER_RECORD
+    chunks = 100_000
+    assert chunks > KEYS_LISTED + AGES_PER_LINE
     manager = kvobs.observe(create_manager(cpu_extra(chunks)), dir=str(tmp_path), engine="dp0")
     writer = ReqContext("writer")
     manager.on_new_request(writer)
@@ -214,8 +214,9 @@ def test_reset_of_a_large_cpu_tier_reaches_the_residency_histogram_whole(tmp_pat
     manager.reset_cache()
     manager.shutdown()
     journal = b"".join(p.read_bytes() for p in (tmp_path / "journal").glob("*.jsonl"))
-    reset_lines = [line for line in journal.splitlines() if b'"k":"batch"' in line and b'"r":"reset"' in line]
-    assert len(reset_lines) == -(-chunks // RESIDENCIES_PER_RECORD)  # 3 lines of at most 16,384 ages
+    ages_lines = [line for line in journal.splitlines() if b'"k":"ages"' in line and b'"r":"reset"' in line]
+    assert len(ages_lines) == -(-(chunks - KEYS_LISTED) // AGES_PER_LINE)  # the ages the removals line cannot list
+    assert max(len(line) for line in journal.splitlines()) < 2**20
     sidecar = Sidecar(tmp_path).start()
     try:
         def reset_count() -> float | None:
@@ -226,8 +227,8 @@ def test_reset_of_a_large_cpu_tier_reaches_the_residency_histogram_whole(tmp_pat
                         return sample.value
             return None
 
-        assert wait_for(lambda: reset_count() == chunks, what="40,000 reset ages at the sidecar")
+        assert wait_for(lambda: reset_count() == chunks, what="100,000 reset ages at the sidecar")
         text = http_get(f"{sidecar.url}/metrics")[2].decode()
-        assert 'kvobs_dropped_records_total{engine="sidecar",stage="ingest"} 0.0' in text
+        assert 'kvobs_sidecar_skipped_total{reason="corrupt",source="journal"} 0.0' in text
     finally:
         sidecar.stop()

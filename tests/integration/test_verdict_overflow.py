@@ -22,7 +22,7 @@ def test_a_dropped_verdict_is_not_called_a_coverage_mismatch(managers: list[Any]
     store(m, [key(1), key(2)], writer)
     assert m.lookup(key(1), a) is LookupResult.HIT  # fills the verdict table
     assert m.lookup(key(2), b) is LookupResult.HIT  # this verdict is dropped
-    assert m.observer.verdicts.dropped == 1
+    assert m.observer.promises.dropped == 1
     store(m, [key(3), key(4)], writer)  # evicts both after the lookups
     match = failed_load(m, [key(2)], b)
     assert match["cause"] == "unknown", match["evidence"]

@@ -33,6 +33,7 @@ from vllm_env import create_manager, key, tiering_extra
 
 import kvobs
 from kvobs.journal import FLUSH_EVERY_S
+from kvobs.wire import Removals, decode_record
 
 RUN_S = 3.0
 DEADLOCK_TIMEOUT_S = 60.0
@@ -173,13 +174,15 @@ def test_tier_poll_thread_and_scheduler_thread_no_deadlock_no_lost_records(tmp_p
     last_totals: dict[str, Any] = {}
     for path in (directory / "journal").glob("*.jsonl"):
         for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record["k"] == "batch":
-                by_path[record["p"]] += record["n"]
-                by_reason[record["r"]] += record["n"]
-                serials.append(record["s"])
-            elif record["k"] == "totals":
-                last_totals = record
+            raw = json.loads(line)
+            record = decode_record(raw)
+            if isinstance(record, Removals):
+                for serial, _, reason, removal_path, _, count, _, _ in record.batches():
+                    by_path[removal_path] += count
+                    by_reason[reason] += count
+                    serials.append(serial)
+            elif raw["k"] == "totals":
+                last_totals = raw
     assert len(serials) == len(set(serials))  # no batch twice
     assert by_reason["capacity"] == truth.total("capacity") and by_reason["store_failed"] == truth.total("store_failed")
     assert by_path["poll_thread"] == poll_evictions

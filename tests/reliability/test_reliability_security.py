@@ -55,6 +55,7 @@ def test_sidecar_listens_on_loopback_only_by_default(tmp_path: Path) -> None:
 
 def test_sidecar_binds_elsewhere_only_when_told(tmp_path: Path) -> None:
     port = free_port()
+    (tmp_path / "k").mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(tmp_path / "k"),
                              "--host", "0.0.0.0", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

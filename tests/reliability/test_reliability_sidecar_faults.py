@@ -19,7 +19,7 @@ from faults import churn, observed_cpu, same_failure_as_bare
 from prometheus_client.parser import text_string_to_metric_families
 from services import Sidecar, http_get, wait_for
 
-from kvobs.history import REASONS
+from kvobs.codes import REASONS
 from kvobs.journal import FLUSH_EVERY_S
 from kvobs.observer import Observer
 from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
@@ -96,7 +96,7 @@ def test_sidecar_absent_killed_and_restarted_mid_run_ends_exact(tmp_path: Path) 
         sidecar.proc.wait(timeout=10)
         saved = json.loads(checkpoint.read_text())
         saved_residency = sum(sum(h["counts"]) for h in saved["engines"]["e0"]["residency"].values())
-        assert saved_residency > 0 and any(v > 0 for v in saved["positions"].values())
+        assert saved_residency > 0 and any(offset > 0 for offset, _ in saved["positions"].values())
         time.sleep(1.0)
         sidecar = Sidecar(directory).start()  # restarts from that checkpoint
         time.sleep(1.0)
@@ -150,7 +150,7 @@ def test_truncated_and_corrupted_journals_are_skipped_counted_and_totals_stay_ex
     (journal,) = [p for p in (directory / "journal").glob("e1-*.jsonl")]
     bad_lines = corrupt_journal(journal)
     huge = directory / "journal" / "e9-1.000000.jsonl"  # one 9 MiB "line", then a good record
-    good = json.dumps({"k": "hello", "e": "e9", "t": 1.0, "version": "x"}).encode()
+    good = json.dumps({"k": "hello", "e": "e9", "pid": 1, "run": "r", "t": 1.0, "version": "x"}).encode()
     huge.write_bytes(b"x" * (9 * 2**20) + b"\n" + good + b"\n")
     sidecar = Sidecar(directory).start()
     try:
@@ -166,7 +166,7 @@ def test_truncated_and_corrupted_journals_are_skipped_counted_and_totals_stay_ex
 
         wait_for(settled, timeout=30, what=f"exact totals despite corrupt lines {diff}")
         samples = scrape(sidecar.url)
-        corrupt = value(samples, "kvobs_dropped_records_total", engine="sidecar", stage="ingest")
+        corrupt = value(samples, "kvobs_sidecar_skipped_total", source="journal", reason="corrupt")
         assert corrupt is not None and corrupt >= bad_lines + 1, corrupt
         assert http_get(f"{sidecar.url}/healthz")[0] == 200
         assert http_get(f"{sidecar.url}/api/v1/failures")[0] == 200

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 from figures import COUNTS
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,7 +27,7 @@ from vllm.v1.kv_offload.base import ScheduleEndContext
 from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 import kvobs
-from kvobs.vllm.policy_hook import resident_chunks
+from kvobs.vllm.compat import resident_chunks
 
 MAX_EXAMPLES = 150
 MAX_OPS = 80

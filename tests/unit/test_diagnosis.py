@@ -8,7 +8,7 @@ import pytest
 
 from kvobs.diagnosis import CAUSES, MISSING, NOT_READY, KeyFacts, LoadFailure, classify, diagnose
 from kvobs.history import Removal
-from kvobs.verdicts import Verdict
+from kvobs.recording import Verdict
 
 LOOKUP = Verdict(serial=10, time=100.0, pending=False)
 PENDING = Verdict(serial=10, time=100.0, pending=True)
@@ -16,6 +16,12 @@ PENDING = Verdict(serial=10, time=100.0, pending=True)
 
 def removal(serial: int, reason: str, t: float = 100.5) -> Removal:
     return Removal(serial=serial, time=t, reason=reason, path="lookup", req_id="req-b")
+
+
+def broken(serial: int, reason: str, t: float = 100.5) -> dict[str, object]:
+    """The facts of a promise that the removal ``serial`` broke."""
+    r = removal(serial, reason, t)
+    return dict(verdict=LOOKUP, breach=reason, breaking_removal=r, last_removal=r)
 
 
 def facts(**kw: object) -> KeyFacts:
@@ -30,15 +36,18 @@ def facts(**kw: object) -> KeyFacts:
 @pytest.mark.parametrize(
     ("kw", "cause"),
     [
-        (dict(verdict=LOOKUP, last_removal=removal(12, "capacity")), "evicted_after_lookup"),
-        (dict(verdict=LOOKUP, last_removal=removal(10, "reset")), "reset_after_lookup"),
-        (dict(verdict=PENDING, last_removal=removal(11, "store_failed")), "store_failed_after_lookup"),
+        (broken(12, "capacity"), "evicted_after_lookup"),
+        (broken(10, "reset"), "reset_after_lookup"),
+        ({**broken(11, "store_failed"), "verdict": PENDING}, "store_failed_after_lookup"),
         (dict(verdict=None, last_removal=removal(12, "capacity")), "coverage_mismatch"),
         (dict(verdict=None), "coverage_mismatch"),
+        (dict(verdict=None, verdicts_dropped=True), "unknown"),
         (dict(state=NOT_READY, verdict=PENDING), "store_in_flight"),
         (dict(verdict=LOOKUP), "unknown"),
-        (dict(verdict=LOOKUP, last_removal=removal(9, "capacity")), "unknown"),  # removed before lookup
-        (dict(verdict=LOOKUP, reset_after_lookup=removal(11, "reset")), "reset_after_lookup"),
+        (dict(verdict=LOOKUP, last_removal=removal(9, "capacity")), "unknown"),  # removed before the promise
+        ({**broken(12, "capacity"), "breaking_removal": None}, "evicted_after_lookup"),  # details aged out
+        # the promise was broken by a capacity eviction; a later failed store of the re-stored key is not the cause
+        ({**broken(12, "capacity"), "last_removal": removal(20, "store_failed", 101.0)}, "evicted_after_lookup"),
     ],
 )
 def test_classify(kw: dict[str, object], cause: str) -> None:
@@ -54,7 +63,7 @@ def failure(missing: list[KeyFacts], num_keys: int = 1) -> LoadFailure:
 
 
 def test_message_follows_the_contract() -> None:
-    d = diagnose(failure([facts(verdict=LOOKUP, last_removal=removal(12, "capacity", t=100.5))]))
+    d = diagnose(failure([facts(**broken(12, "capacity", t=100.5))]))
     assert d.cause == "evicted_after_lookup"
     assert d.message.startswith(
         "Chunk b'hh' not found in cache (group=5, req_id='req-a'). 1 of 1 keys in this load are missing. "
@@ -74,7 +83,23 @@ def test_at_most_sixteen_keys_are_listed_and_none_for_no_removal() -> None:
 
 
 def test_first_keys_cause_is_the_loads_and_others_are_counted() -> None:
-    d = diagnose(failure([facts(), facts(verdict=LOOKUP, last_removal=removal(12, "capacity"))], num_keys=2))
+    d = diagnose(failure([facts(), facts(**broken(12, "capacity"))], num_keys=2))
     assert d.cause == "coverage_mismatch"
     assert d.causes == {"coverage_mismatch": 1, "evicted_after_lookup": 1}
     assert "causes per key: coverage_mismatch=1, evicted_after_lookup=1" in d.message
+
+
+def test_the_breaking_removal_is_the_cause_and_a_later_one_is_mentioned() -> None:
+    later = Removal(serial=20, time=100.4, reason="store_failed", path="complete_store", req_id="req-c")
+    d = diagnose(failure([facts(**{**broken(12, "capacity", t=100.2), "last_removal": later})]))
+    assert d.cause == "evicted_after_lookup"
+    evidence = d.keys[0].evidence
+    assert "capacity removal 0.2s after the lookup, path=lookup, req_id='req-b'" in evidence
+    assert "removed again since: store_failed 0.1s ago, path=complete_store, req_id='req-c'" in evidence
+    assert d.keys[0].age_s == 0.1  # seconds since the key's last removal, as DESIGN.md's message says
+
+
+def test_a_breach_whose_details_aged_out_still_names_its_reason() -> None:
+    d = diagnose(failure([facts(**{**broken(12, "reset"), "breaking_removal": None, "last_removal": None})]))
+    assert d.cause == "reset_after_lookup"
+    assert "reset removal after the lookup (its details are older than the history)" in d.keys[0].evidence

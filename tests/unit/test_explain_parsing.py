@@ -6,8 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvobs.explain import MAX_LINE_BYTES, add_directory_evidence, find_assertions, render
 
@@ -63,25 +62,31 @@ def test_arbitrary_bytes_never_raise(prefix: bytes, suffix: bytes) -> None:
         assert isinstance(render(entries, dropped, False, "fuzz"), str)
 
 
-def test_damaged_kvobs_records_are_shown_as_damaged_not_raised(tmp_path: Path) -> None:
-    """A damaged journal line or report (wrong types, out-of-range times) must not crash explain."""
+def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
+    """Damaged journal lines and reports (wrong types, out-of-range numbers) never crash explain, and
+    never show up as evidence; the intact line beside them does."""
+    from array import array
+
+    from kvobs.codes import pack_flags
+    from kvobs.recording import RemovalRun
+    from kvobs.wire import Writer, encode_removals
+
     directory = tmp_path / "kvobs"
     (directory / "journal").mkdir(parents=True)
     (directory / "failures").mkdir()
-    ref = "0707070707070707/3"
-    damaged = [
-        {"k": "batch", "e": "dp2", "t": "soon", "keys": [ref], "res": ["x"]},
-        {"k": "batch", "e": "dp2", "t": None, "keys": [[ref], ref]},
-        {"k": "batch", "e": "dp2", "t": 1e300, "keys": [ref], "res": [None]},
-    ]
+    run = RemovalRun(0, array("q", [hash(KEY)]), array("q", [1]), array("d", [5.0]), array("B", [pack_flags(0, 0)]),
+                     ["req-b"], [KEY], array("d", [2.5]))
+    good = json.loads(encode_removals(Writer("dp2", 7, "r"), run, 1e9)[0])
+    damaged = [good | {"t": "soon"}, good | {"to": 1e300}, good | {"ages": ["x"]}, good | {"req": [[1]]}]
     (directory / "journal" / "dp2-7.000000.jsonl").write_text(
-        "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in damaged)
+        "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in [*damaged, good])
     )
     (directory / "failures" / "1.json").write_text(
         json.dumps({"vllm_message": f"Chunk {KEY!r} not found in cache", "time": "later", "missing": {"a": 1}})
     )
     [entry] = _find(LINE.encode() + b"\n")
     add_directory_evidence([entry], directory)
-    assert len(entry.removals) == 3 and len(entry.reports) == 1
-    text = render([entry], 0, True, "log")
-    assert text.count("time unknown") == 4 and "resident" not in text
+    assert len(entry.removals) == 1 and entry.reports == []
+    (removal,) = entry.removals
+    assert (removal["req_id"], removal["reason"], removal["residency_s"]) == ("req-b", "capacity", 2.5)
+    assert isinstance(render([entry], 0, True, "log"), str)

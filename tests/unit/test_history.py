@@ -6,8 +6,10 @@ import os
 import tracemalloc
 
 import pytest
+from columns import record_batch
 
-from kvobs.history import PATHS, REASONS, EvictionHistory
+from kvobs.codes import PATHS, REASONS
+from kvobs.history import EvictionHistory
 
 CAPACITY = REASONS.index("capacity")
 RESET = REASONS.index("reset")
@@ -22,7 +24,7 @@ def keys(n: int) -> list[bytes]:
 def test_last_removal_names_time_reason_path_and_request() -> None:
     history = EvictionHistory(4096)
     batch = keys(3)
-    serial = history.record(batch, CAPACITY, LOOKUP, "req-b", now=100.0)
+    serial = record_batch(history, batch, CAPACITY, LOOKUP, "req-b", now=100.0)
     (removal,) = history.last_removals([batch[1]])
     assert removal is not None
     assert (removal.serial, removal.time, removal.reason, removal.path, removal.req_id) == (
@@ -32,15 +34,15 @@ def test_last_removal_names_time_reason_path_and_request() -> None:
 
 def test_unrecorded_key_has_no_removal() -> None:
     history = EvictionHistory(4096)
-    history.record(keys(10), CAPACITY, STORE, None, now=1.0)
+    record_batch(history, keys(10), CAPACITY, STORE, None, now=1.0)
     assert history.last_removals(keys(5)) == [None] * 5
 
 
 def test_latest_removal_wins_and_serials_order_batches() -> None:
     history = EvictionHistory(4096)
     key = keys(1)
-    first = history.record(key, CAPACITY, STORE, "a", now=1.0)
-    second = history.record(key, RESET, PATHS.index("reset"), None, now=2.0)
+    first = record_batch(history, key, CAPACITY, STORE, "a", now=1.0)
+    second = record_batch(history, key, RESET, PATHS.index("reset"), None, now=2.0)
     assert second == first + 1 == history.next_serial - 1
     (removal,) = history.last_removals(key)
     assert removal is not None and removal.serial == second and removal.reason == "reset"
@@ -49,9 +51,9 @@ def test_latest_removal_wins_and_serials_order_batches() -> None:
 def test_key_ring_forgets_the_oldest_keys_beyond_capacity() -> None:
     history = EvictionHistory(2048)
     old = keys(100)
-    history.record(old, CAPACITY, STORE, None, now=1.0)
+    record_batch(history, old, CAPACITY, STORE, None, now=1.0)
     for i in range(40):  # 40 * 64 = 2560 newer keys push the old batch out
-        history.record(keys(64), CAPACITY, STORE, None, now=2.0 + i)
+        record_batch(history, keys(64), CAPACITY, STORE, None, now=2.0 + i)
     assert history.last_removals(old[:10]) == [None] * 10
     stats = history.stats()
     assert stats.keys == 2048
@@ -61,10 +63,10 @@ def test_key_ring_forgets_the_oldest_keys_beyond_capacity() -> None:
 def test_batch_ring_overflow_ages_out_batch_details() -> None:
     history = EvictionHistory(1_000_000)  # 250,000 batch slots
     first = keys(1)
-    history.record(first, CAPACITY, STORE, "old", now=0.0)
+    record_batch(history, first, CAPACITY, STORE, "old", now=0.0)
     single = keys(1)[0]
     for i in range(history.batch_capacity):
-        history.record([single], CAPACITY, STORE, None, now=1.0 + i * 1e-6)
+        record_batch(history, [single], CAPACITY, STORE, None, now=1.0 + i * 1e-6)
     assert history.last_removals(first) == [None]
     stats = history.stats()
     assert stats.batches == history.batch_capacity
@@ -73,8 +75,8 @@ def test_batch_ring_overflow_ages_out_batch_details() -> None:
 
 def test_window_spans_oldest_to_now() -> None:
     history = EvictionHistory(4096)
-    history.record(keys(2), CAPACITY, STORE, None, now=10.0)
-    history.record(keys(2), CAPACITY, STORE, None, now=25.0)
+    record_batch(history, keys(2), CAPACITY, STORE, None, now=10.0)
+    record_batch(history, keys(2), CAPACITY, STORE, None, now=25.0)
     stats = history.stats()
     assert stats.keys == 4 and stats.batches == 2
     assert stats.window(now=30.0) == pytest.approx(20.0)
@@ -87,22 +89,24 @@ def test_serials_survive_32_bit_wraparound() -> None:
     history._next_serial = history._batches_folded = start
     batch_keys = [keys(1) for _ in range(6)]
     for i, k in enumerate(batch_keys):
-        history.record(k, CAPACITY, STORE, f"r{i}", now=float(i))
-    history.record(batch_keys[0], CAPACITY, STORE, "again", now=9.0)
+        record_batch(history, k, CAPACITY, STORE, f"r{i}", now=float(i))
+    record_batch(history, batch_keys[0], CAPACITY, STORE, "again", now=9.0)
     first, last = history.last_removals([batch_keys[0][0], batch_keys[5][0]])
     assert first is not None and first.serial == start + 6 and first.req_id == "again"
     assert last is not None and last.serial == start + 5 and last.req_id == "r5"
 
 
-def test_reset_since_finds_the_first_reset_after_a_serial() -> None:
-    history = EvictionHistory(4096)
-    history.record(keys(1), RESET, PATHS.index("reset"), None, now=1.0)
-    mark = history.next_serial
-    history.record(keys(1), CAPACITY, STORE, None, now=2.0)
-    history.record([], RESET, PATHS.index("reset"), None, now=3.0)
-    found = history.reset_since(mark)
-    assert found is not None and found.time == 3.0 and found.reason == "reset"
-    assert history.reset_since(history.next_serial) is None
+def test_removal_at_gives_a_batch_by_serial_while_the_history_holds_it() -> None:
+    history = EvictionHistory(4096)  # 1,024 batch slots
+    first = record_batch(history, keys(1), RESET, PATHS.index("reset"), None, now=1.0)
+    second = record_batch(history, [], RESET, PATHS.index("reset"), "r", now=3.0)
+    found = history.removal_at(second)
+    assert found is not None and (found.time, found.reason, found.path, found.req_id) == (3.0, "reset", "reset", "r")
+    assert history.removal_at(history.next_serial) is None  # not yet recorded
+    for i in range(1024):
+        record_batch(history, keys(1), CAPACITY, STORE, None, now=4.0 + i)
+    assert history.removal_at(first) is None  # its slot was reused
+    assert history.removal_at(history.next_serial - 1) is not None
 
 
 def test_one_million_keys_fit_in_sixteen_mib() -> None:
@@ -116,7 +120,7 @@ def test_one_million_keys_fit_in_sixteen_mib() -> None:
         written = batch = 0
         while written < 1_100_000:  # past the key ring's capacity
             batch_keys = [(written + i).to_bytes(32, "big") + b"\x00\x00\x00\x01" for i in range(16)]
-            history.record(batch_keys, CAPACITY, STORE, req_ids[batch % 64], now=float(batch))
+            record_batch(history, batch_keys, CAPACITY, STORE, req_ids[batch % 64], now=float(batch))
             written += len(batch_keys)
             batch += 1
         stats = history.stats()  # folds what is pending
@@ -172,7 +176,7 @@ def test_queries_and_stats_match_a_plain_model_past_both_rings(batch_sizes: tupl
         if seen and rng.random() < 0.2:
             batch.append(rng.choice(seen))  # removed again: the latest removal wins
         seen.extend(batch[:1])
-        history.record(batch, CAPACITY, STORE, f"r{i % 7}", now=float(i))
+        record_batch(history, batch, CAPACITY, STORE, f"r{i % 7}", now=float(i))
         model.record(batch, float(i), f"r{i % 7}")
         if i % 9_973 == 0:
             assert history.stats().keys == model.keys_held()

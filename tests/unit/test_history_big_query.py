@@ -8,7 +8,10 @@ The per-key scans were quadratic: 60,000 keys over a full 1M-key history took 14
 from __future__ import annotations
 
 import os
+import random
 import time
+
+from columns import record_batch
 
 from kvobs.history import EvictionHistory
 
@@ -17,7 +20,7 @@ def _filled(capacity: int, batch: int) -> tuple[EvictionHistory, list[bytes]]:
     history = EvictionHistory(capacity)
     keys = [os.urandom(36) for _ in range(capacity)]
     for start in range(0, capacity, batch):
-        history.record(keys[start : start + batch], 0, 0, None, now=float(start))
+        record_batch(history, keys[start : start + batch], 0, 0, None, now=float(start))
     return history, keys
 
 
@@ -35,7 +38,7 @@ def test_big_queries_answer_as_small_ones() -> None:
     """Same answers whichever way a query is answered: repeats, never-removed and overwritten keys."""
     history, keys = _filled(50_000, 16)
     again = keys[10_000:12_000]
-    history.record(again, 2, 4, "req-r", now=1e6)  # a second, later removal of these keys (a reset)
+    record_batch(history, again, 2, 4, "req-r", now=1e6)  # a second, later removal of these keys (a reset)
     never = [os.urandom(36) for _ in range(3_000)]
     wanted = keys[:5_000] + again + keys[-5_000:] + never
     whole = history.last_removals(wanted)
@@ -52,3 +55,29 @@ def test_big_queries_answer_as_small_ones_when_batch_details_expired() -> None:
     pieces = [r for start in range(0, len(keys), 3) for r in history.last_removals(keys[start : start + 3])]
     assert whole == pieces
     assert sum(r is None for r in whole) >= 3_060  # 3,072 expired (fingerprints may collide)
+
+
+def test_first_removals_big_queries_answer_as_small_ones() -> None:
+    """The first removal at or after a serial, by sorted join (many keys) and by scans (few): the
+    same answers, fingerprints above 2**31 included (their high bit once broke the join's ordering)."""
+    history = EvictionHistory(40_000)
+    keys = [os.urandom(36) for _ in range(20_000)]
+    for start in range(0, len(keys), 4):  # 5,000 batches of 4 keys: key i in batch i // 4
+        record_batch(history, keys[start : start + 4], 0, 0, None, now=float(start))
+    again = keys[1_000:3_000]
+    record_batch(history, again, 1, 3, "req-f", now=1e6)  # a later removal of these keys
+    rng = random.Random(3)
+    wanted = keys[:6_000] + [os.urandom(36) for _ in range(500)]
+    since = [rng.randrange(0, history.next_serial + 1) for _ in wanted]
+    whole = history.first_removals(wanted, since)
+    pieces = [r for start in range(0, len(wanted), 3)
+              for r in history.first_removals(wanted[start : start + 3], since[start : start + 3])]
+    assert whole == pieces
+    for removal, after in zip(whole, since, strict=True):
+        assert removal is None or removal.serial >= after
+    for i in range(1_000, 3_000):  # removed twice: the first removal at or after the serial asked for
+        if since[i] > 5_000:
+            assert whole[i] is None
+            continue
+        want = ("capacity", i // 4) if since[i] <= i // 4 else ("store_failed", 5_000)
+        assert whole[i] is not None and (whole[i].reason, whole[i].serial) == want

@@ -22,7 +22,7 @@ from kvobs.options import Options
 
 observer = Observer(Options(dir=sys.argv[1], engine=sys.argv[2]))
 sink = JournalSink(sys.argv[1], observer)
-observer.sinks.append(sink)
+observer.add_sink(sink)
 for i in range(3):
     observer.removed([bytes(32) + i.to_bytes(4, "big")], "capacity", "store", "r")
 sink.close()

@@ -25,7 +25,7 @@ def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(
     for _ in range(2):
         observer = Observer(Options(dir=str(directory), engine="e0"))
         sink = JournalSink(directory, observer)
-        observer.sinks.append(sink)
+        observer.add_sink(sink)
         writers.append((observer, sink))
     for i in range(600):
         for k, (observer, _) in enumerate(writers):

@@ -2,7 +2,7 @@
 
 Each demo engine is a hybrid model (full-attention KV groups plus a sliding-window group)
 served through the real ``OffloadingConnectorScheduler`` and the ``ObservedOffloadingSpec``
-plugin built by vLLM's own factory; ``scheduler_driver`` plays the engine's scheduler and
+plugin built by vLLM's own factory; ``kvobs.demo.driver`` plays the engine's scheduler and
 workers. Traffic: multi-turn chats on shared system prompts and questions on shared documents,
 under eviction pressure. The two defect classes then happen the way they do in production:
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from vllm.v1.request import Request
 
-from kvobs.vllm.incidents import DOCUMENT_TOKENS, promotion_evicts_hit
+from kvobs.demo.driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
+from kvobs.demo.incidents import DOCUMENT_TOKENS, promotion_evicts_hit
 from kvobs.vllm.manager import ObservedOffloadingManager
-from kvobs.vllm.scheduler_driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
 
 MAX_PROMPT_TOKENS = 512
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from vllm.v1.request import Request
 
-from kvobs.vllm.scheduler_driver import EngineStepDriver, make_request
+from kvobs.demo.driver import EngineStepDriver, make_request
 
 DOCUMENT_TOKENS = 160
 """Tokens of the shared document the pattern's prompts are cut from."""

@@ -2,7 +2,7 @@
 
 Starts the sidecar, serves traffic through the real ``OffloadingConnectorScheduler`` and the
 ``ObservedOffloadingSpec`` plugin on two engines (CPU spec, tiering spec; see
-``kvobs.vllm.demo_workload`` for what happens there and what is injected), prints each
+``kvobs.demo.workload`` for what happens there and what is injected), prints each
 explanatory message as it happens, and ends with a summary and where to look.
 """
 
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvobs.vllm.demo_workload import EngineRun, EngineSetup, Workload
+    from kvobs.demo.workload import EngineRun, EngineSetup, Workload
 
 WIDTH = 100
 
@@ -77,7 +77,7 @@ class Console:
 
 
 def _engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
-    from kvobs.vllm.demo_workload import CPU_ENGINE, TIERING_ENGINE
+    from kvobs.demo.workload import CPU_ENGINE, TIERING_ENGINE
 
     return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, TIERING_ENGINE]
 
@@ -117,7 +117,7 @@ def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, timeout: float = 
 def run_demo(args: argparse.Namespace) -> int:
     from vllm import __version__ as vllm_version
 
-    from kvobs.vllm.demo_workload import Workload
+    from kvobs.demo.workload import Workload
 
     # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
     # store in the small CPU tier) would bury them.
@@ -130,6 +130,7 @@ def run_demo(args: argparse.Namespace) -> int:
               "pass --port", file=sys.stderr)
         return 2
     directory = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-demo-"))
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # the sidecar refuses a directory that does not exist
     earlier_runs = any((directory / "journal").glob("*.jsonl"))  # the sidecar will count those too
     url = f"http://127.0.0.1:{args.port}"
     console = Console()
@@ -160,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console) -> EngineRun:
-    from kvobs.vllm.demo_workload import run_engine
+    from kvobs.demo.workload import run_engine
     console.line(f"\n[{setup.engine}] {setup.describe()}")
     if setup.allocator_retained_tokens:
         console.line(textwrap.fill(

@@ -1,0 +1,102 @@
+"""The codes every part of kvobs shares: reasons, paths, causes, stages, flag packing, defaults.
+
+One definition each, imported by the engine side (recording, history, diagnosis,
+journal), the sidecar and ``kvobs explain`` alike. Pure data: no numpy, no vLLM.
+The label values here are a contract (DESIGN.md, "Metrics"): dashboards and
+alerts rely on them.
+"""
+
+from __future__ import annotations
+
+REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset")
+"""Why chunks left the CPU tier (the ``reason`` label)."""
+CAPACITY, STORE_FAILED, RESET = 0, 1, 2
+assert REASONS[CAPACITY] == "capacity" and REASONS[STORE_FAILED] == "store_failed" and REASONS[RESET] == "reset"
+
+PATHS: tuple[str, ...] = (
+    "store",
+    "lookup",
+    "schedule_end",
+    "complete_store",
+    "reset",
+    "poll_thread",
+    "unobserved",
+)
+"""Which manager entry point was running when a removal happened."""
+PATH_CODE: dict[str, int] = {name: code for code, name in enumerate(PATHS)}
+REASON_CODE: dict[str, int] = {name: code for code, name in enumerate(REASONS)}
+
+CAUSES: tuple[str, ...] = (
+    "evicted_after_lookup",
+    "reset_after_lookup",
+    "store_failed_after_lookup",
+    "coverage_mismatch",
+    "store_in_flight",
+    "unknown",
+)
+"""Every cause a missing key can have (the ``cause`` label; DESIGN.md, "Causes")."""
+
+CAUSE_OF_REASON: dict[str, str] = {
+    "capacity": "evicted_after_lookup",
+    "reset": "reset_after_lookup",
+    "store_failed": "store_failed_after_lookup",
+}
+"""The cause of a missing key whose promise a removal of this reason broke."""
+assert set(CAUSE_OF_REASON) == set(REASONS) and set(CAUSE_OF_REASON.values()) <= set(CAUSES)
+
+STAGES: tuple[str, ...] = (
+    "record.removal",
+    "record.lookup",
+    "record.load",
+    "record.finish",
+    "record.schedule_end",
+    "diagnosis",
+    "verdicts",
+    "journal",
+    "report",
+    "tracing",
+    "sink",
+    "shutdown",
+    "hook",
+)
+"""Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
+
+DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
+"""Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``)."""
+
+# -- a removal batch's flags: reason in the low bits, path above ---------------------
+
+REASON_BITS = 2
+REASON_MASK = (1 << REASON_BITS) - 1
+assert len(REASONS) <= 1 << REASON_BITS, "reasons outgrew their bits"
+assert (len(PATHS) - 1) << REASON_BITS | REASON_MASK < 256, "flags must fit one byte"
+
+
+def pack_flags(reason: int, path: int) -> int:
+    """One byte per removal batch: ``reason | path << REASON_BITS``."""
+    return reason | (path << REASON_BITS)
+
+
+def unpack_flags(flags: int) -> tuple[int, int]:
+    """(reason code, path code) of packed flags."""
+    return flags & REASON_MASK, flags >> REASON_BITS
+
+
+# -- defaults (the options' and the recorder's) ----------------------------------------
+
+DEFAULT_HISTORY_SIZE = 1_000_000
+DEFAULT_MAX_VERDICTS = 262_144
+DRAIN_KEYS = 16_384
+"""Queued removal keys that make the recorder ask for a drain."""
+DRAIN_BATCHES = 2_048
+"""Queued removal batches that make the recorder ask for a drain."""
+RECENT_KEYS = 32_768
+"""Removed keys the hot path remembers (per generation; kvobs._recording.RecentRemovals)."""
+
+# -- histogram buckets (residency and eviction age) ------------------------------------
+
+BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0,
+)
+"""Histogram upper bounds in seconds: 1 ms to 1 day."""

@@ -1,0 +1,88 @@
+"""The hot path as kvobs runs it: ``kvobs/_recording.py``, compiled by mypyc when it was built.
+
+One source, two forms. ``pip install`` compiles ``kvobs/_recording.py`` with mypyc where a C
+compiler is present (setup.py); the compiled module then shadows the source. Where it was
+not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same source runs as plain Python,
+with the same behaviour at about 1.1x instead of 1.03x the bare manager's CPU
+(docs/performance.md). ``HOT_PATH`` says which form runs (``kvobs_build_info`` exports it);
+the fallback says so once in the log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+logger = logging.getLogger("kvobs")
+
+_MODULE = "kvobs._recording"
+
+
+def _forced_python() -> bool:
+    return os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0")
+
+
+def _source_module() -> ModuleType:
+    """``kvobs/_recording.py`` executed as Python, even where a compiled form sits beside it."""
+    spec = importlib.util.spec_from_file_location(_MODULE, Path(__file__).with_name("_recording.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def is_compiled(module: ModuleType) -> bool:
+    return str(getattr(module, "__file__", "")).endswith(tuple(EXTENSION_SUFFIXES))
+
+
+def _load() -> tuple[ModuleType, str]:
+    if _forced_python():
+        return _source_module(), "python"
+    try:
+        import kvobs._recording as module
+    except ImportError as exc:  # a compiled form that does not load here (another Python, a broken build)
+        logger.warning("kvobs: the compiled hot path does not load (%r); running it as Python", exc)
+        return _source_module(), "python"
+    if is_compiled(module):
+        return module, "compiled"
+    logger.warning(
+        "kvobs: the compiled hot path is not built (no C compiler when kvobs was installed); running it as "
+        "Python, about 1.1x the bare manager's scheduler CPU instead of 1.03x (README, 'The hot path')"
+    )
+    return module, "python"
+
+
+_impl, HOT_PATH = _load()
+"""``"compiled"`` (mypyc) or ``"python"``."""
+
+_PUBLIC = (
+    "Breach", "ClearTap", "EvictTap", "InsertTap", "NearMiss", "PolicyTap", "Promises", "RecentRemovals",
+    "Recorder", "RemovalRun", "RemoveTap", "Verdict",
+)
+
+if TYPE_CHECKING:  # the same names, typed (re-exported)
+    from kvobs._recording import (
+        Breach as Breach,
+        ClearTap as ClearTap,
+        EvictTap as EvictTap,
+        InsertTap as InsertTap,
+        NearMiss as NearMiss,
+        PolicyTap as PolicyTap,
+        Promises as Promises,
+        RecentRemovals as RecentRemovals,
+        Recorder as Recorder,
+        RemovalRun as RemovalRun,
+        RemoveTap as RemoveTap,
+        Verdict as Verdict,
+    )
+else:
+    globals().update({name: getattr(_impl, name) for name in _PUBLIC})
+
+__all__ = ["HOT_PATH", "is_compiled", *_PUBLIC]

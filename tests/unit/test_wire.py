@@ -1,0 +1,127 @@
+"""kvobs.wire: what the engine writes is what the sidecar and `kvobs explain` read back, exactly;
+and whatever else is on disk is refused field by field, never folded."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from array import array
+from typing import Any
+
+import pytest
+
+from kvobs.codes import PATHS, REASONS, pack_flags
+from kvobs.recording import RemovalRun
+from kvobs.wire import (
+    KEYS_LISTED,
+    Ages,
+    Removals,
+    Writer,
+    decode_record,
+    encode_hello,
+    encode_removals,
+    encode_totals,
+    key_ref,
+    ref_text,
+)
+
+W = Writer('dp"0\\é', 1234, "abcdef")
+
+
+def _run(rng: random.Random, batches: int, key_len: int | None = 36, big: int = 0) -> tuple[RemovalRun, list[Any]]:
+    counts, times, flags, reqs, keys, res, expect = [], [], [], [], [], [], []
+    for i in range(batches):
+        n = big if (big and i == 0) else rng.randint(0, 40)
+        length = key_len or rng.choice([8, 12, 36, 68])
+        batch_keys = [rng.randbytes(length - 4) + rng.randrange(2**32).to_bytes(4, "big") for _ in range(n)]
+        ages = [rng.choice([float("nan"), rng.random() * 10 ** rng.randint(-3, 5)]) for _ in range(n)]
+        reason, path = rng.randrange(len(REASONS)), rng.randrange(len(PATHS))
+        req = rng.choice([None, f"req-{i}", 'q"uo\\te\n', "ünï"])
+        counts.append(n)
+        times.append(rng.random() * 1e5)
+        flags.append(pack_flags(reason, path))
+        reqs.append(req)
+        keys.extend(batch_keys)
+        res.extend(ages)
+        expect.append((reason, path, req, n, batch_keys, ages))
+    run = RemovalRun(17, array("q", map(hash, keys)), array("q", counts), array("d", times), array("B", flags),
+                     reqs, keys, array("d", res))
+    return run, expect
+
+
+def _decode(lines: list[str]) -> list[Any]:
+    return [decode_record(json.loads(line)) for line in lines]
+
+
+@pytest.mark.parametrize("key_len", [36, None])
+def test_removal_runs_read_back_exactly(key_len: int | None) -> None:
+    rng = random.Random(key_len or 1)
+    for _ in range(50):
+        run, expect = _run(rng, rng.randint(1, 30), key_len)
+        (record,) = _decode(encode_removals(W, run, wall_offset=1000.0))
+        assert isinstance(record, Removals) and record.writer == W and record.first_serial == 17
+        for got, (reason, path, req, n, keys, ages), t in zip(record.batches(), expect, run.times, strict=True):
+            _serial, when, r, p, req_id, count, refs, listed_ages = got
+            assert (r, p, req_id, count) == (REASONS[reason], PATHS[path], req, n)
+            assert when == t + 1000.0
+            assert [ref_text(ref) for ref in refs] == [key_ref(k) for k in keys]
+            for a, b in zip(listed_ages, ages, strict=True):
+                assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
+
+
+def test_a_huge_batch_lists_its_first_keys_and_carries_every_age() -> None:
+    run, _ = _run(random.Random(3), 3, big=KEYS_LISTED * 2 + 5)
+    records = _decode(encode_removals(W, run, 0.0))
+    removals, *more = records
+    assert isinstance(removals, Removals) and removals.counts[0] == KEYS_LISTED * 2 + 5
+    assert removals.listed[0] == KEYS_LISTED
+    assert all(isinstance(r, Ages) for r in more)
+    assert sum(len(r.ages) for r in more) == KEYS_LISTED + 5
+
+
+def _line(**changes: Any) -> dict[str, Any]:
+    run, _ = _run(random.Random(5), 4)
+    record = json.loads(encode_removals(W, run, 0.0)[0])
+    record.update(changes)
+    return record
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        _line(n=5),  # columns of another length
+        _line(t="not base64!"),
+        _line(req=[1, 2, 3, 4]),
+        _line(e=""),
+        _line(e=["dp0"]),
+        _line(pid=-1),
+        _line(to=float("inf")),
+        _line(to=1e300),
+        _line(ages="AAAA"),  # one float32 where the listed keys need more
+        json.loads(encode_totals(W, 1.0, {"evicted": {"capacity": 3}}, history_keys=1, history_window_s=0.5))
+        | {"evicted": {"capacity": 1e300}},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"hist_window": -1},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"failures": {"nope": 1}},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"t": float("nan")},
+        json.loads(encode_hello(W, 1.0, version="1", vllm_version="0.33.0", history_size=10, hot_path="python"))
+        | {"history_size": "big"},
+        {"k": "batch", "e": "dp0", "pid": 1},  # the old format's kind
+        [1, 2],
+    ],
+)
+def test_records_that_do_not_fit_are_refused(record: Any) -> None:
+    assert decode_record(record) is None
+
+
+def test_the_sidecars_modules_import_neither_numpy_nor_the_hot_path_nor_vllm() -> None:
+    probe = (
+        "import sys, kvobs.sidecar.server, kvobs.explain, kvobs.cli;"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'vllm', 'torch')"
+        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal'));"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
