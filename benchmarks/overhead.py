@@ -49,7 +49,12 @@ from benchmarks._common import (
     write_json,
 )
 
-TARGET_RATIO = 1.05
+TARGET_RATIO = 1.03
+"""The compiled hot path, scheduler-thread CPU against the bare manager's (issue 12)."""
+TARGET_RATIO_PYTHON = 1.10
+"""The pure-Python form of the hot path."""
+TARGET_JOURNAL_PROCESS_RATIO = 1.10
+"""With the journal on: the whole process's CPU, the writer thread included."""
 TOKENS_PER_CHUNK = 16
 
 # -- the workload ---------------------------------------------------------------------
@@ -356,20 +361,23 @@ SLICE_CALLS = 500
 """Calls per slice of an interleaved replay: a few milliseconds of the bare manager's CPU."""
 
 
-def replay_interleaved(trace: Trace, journal_dir: Path) -> dict[str, float]:
-    """Scheduler-thread CPU s per side, all sides replaying the trace slice by slice in turn.
+def replay_interleaved(trace: Trace, journal_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(scheduler-thread CPU s, process CPU s) per side, all sides replaying the trace slice by slice in turn.
 
     Whole replays taken one after the other see the shared machine's load change between
     them (seconds-scale swings of +-10% here); slices of a few milliseconds, with the side
     that goes first rotating, put every side under the same load. Each side keeps its own
     managers and request contexts; the garbage collector runs as usual (a collection lands in
-    whichever slice triggers it).
+    whichever slice triggers it). A journal's writer thread runs as in production (every
+    FLUSH_EVERY_S) and measures its own CPU (``JournalSink.writer_cpu_s``), which the process
+    figure adds to the side's slices.
     """
     bound: dict[str, tuple[OffloadingManager, list[tuple[Callable[..., Any], tuple]]]] = {}
     for side in SIDES:
         m = build(trace, side, journal_dir)
         bound[side] = (m, bind(m, trace.ops, [make_context(i, p) for i, p in enumerate(trace.positions)]))
     totals = dict.fromkeys(SIDES, 0.0)
+    process = dict.fromkeys(SIDES, 0.0)
     starts = range(0, len(trace.ops), SLICE_CALLS)
     gc.collect()
     gc.freeze()
@@ -382,11 +390,19 @@ def replay_interleaved(trace: Trace, journal_dir: Path) -> dict[str, float]:
                 for call, args in calls:
                     call(*args)
                 totals[side] += time.thread_time() - t0
+        for side, (m, _) in bound.items():  # what the journal's writer thread still owes, on this thread
+            sink = _journal_sink(m)
+            if sink is not None:
+                t0 = time.thread_time()
+                sink.flush()
+                totals[side] += time.thread_time() - t0
     finally:
         gc.unfreeze()
-        for m, _ in bound.values():
-            m.shutdown()
-    return totals
+    for side, (m, _) in bound.items():  # the process: this thread's slices plus the writer thread's own CPU
+        sink = _journal_sink(m)
+        process[side] = totals[side] + (sink.writer_cpu_s if sink is not None else 0.0)
+        m.shutdown()
+    return totals, process
 
 
 def _journal_sink(m: OffloadingManager) -> Any:
@@ -446,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             thread: dict[str, list[float]] = {s: [] for s in SIDES}
             process: dict[str, list[float]] = {s: [] for s in SIDES}
             sliced: dict[str, list[float]] = {s: [] for s in SIDES}
+            sliced_process: dict[str, list[float]] = {s: [] for s in SIDES}
             if not args.quick:
                 replay_once(trace, "observed+journal", Path(tmp) / f"{manager}-warm")  # warm caches, imports
             for run in range(runs):
@@ -454,18 +471,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     t, p = replay_once(trace, side, Path(tmp) / f"{manager}-{run}")
                     thread[side].append(t)
                     process[side].append(p)
-                for side, t in replay_interleaved(trace, Path(tmp) / f"{manager}-{run}-sliced").items():
-                    sliced[side].append(t)
+                thread_s, process_s = replay_interleaved(trace, Path(tmp) / f"{manager}-{run}-sliced")
+                for side in SIDES:
+                    sliced[side].append(thread_s[side])
+                    sliced_process[side].append(process_s[side])
             calls = len(trace.ops)
             res: dict[str, Any] = {"calls": calls, "counts": trace.counts, "thread_s": thread, "process_s": process,
-                                   "interleaved_thread_s": sliced}
+                                   "interleaved_thread_s": sliced, "interleaved_process_s": sliced_process}
             bare_t = median(thread["bare"])
             for side in SIDES:
                 rt = median(paired_ratios(thread[side], thread["bare"]))
                 rp = median(paired_ratios(process[side], process["bare"]))
                 ri = paired_ratios(sliced[side], sliced["bare"])
+                rpi = median(paired_ratios(sliced_process[side], sliced_process["bare"]))
                 res[side] = {"thread_ratio": rt, "process_ratio": rp, "interleaved_ratio": median(ri),
-                             "interleaved_ratio_spread": spread(ri)}
+                             "interleaved_ratio_spread": spread(ri), "interleaved_process_ratio": rpi}
                 rows.append(
                     (
                         manager,
@@ -477,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         rt,
                         median(ri),
                         spread(ri),
-                        rp,
+                        rpi,
                         1e6 * (median(thread[side]) - bare_t) / calls,
                     )
                 )
@@ -486,23 +506,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Overhead: replayed scheduler workload, {runs} interleaved runs per side "
         "(medians; ratio = median of paired ratios)",
         ("manager", "side", "calls", "thread ms", "spread", "process ms", "thread ratio", "sliced ratio",
-         "its spread", "process ratio", "+us/call"),
+         "its spread", "sliced process ratio", "+us/call"),
         rows,
     )
     for manager in args.managers.split(","):
         counts = results[manager]["counts"]
         print(f"  {manager}: {counts}")
     managers = args.managers.split(",")
+    from kvobs.recording import HOT_PATH
+
+    target = TARGET_RATIO if HOT_PATH == "compiled" else TARGET_RATIO_PYTHON
     worst = max(results[m]["observed"]["interleaved_ratio"] for m in managers)
     whole = max(results[m]["observed"]["thread_ratio"] for m in managers)
-    print(f"\n  target (issue 6): observed/bare <= {TARGET_RATIO} on the scheduler thread, kvobs.observe() with its "
-          f"defaults -> worst {worst:.3f} (interleaved slices; {whole:.3f} from whole replays): "
-          f"{'MET' if worst <= TARGET_RATIO else 'MISSED'}")
-    journal = max(results[m]["observed+journal"]["interleaved_ratio"] for m in managers)
-    print(f"  with the journal (dir=..., what the sidecar reads): worst {journal:.3f} on the scheduler thread "
-          f"({'within' if journal <= TARGET_RATIO else 'over'} {TARGET_RATIO}; the writer thread's own CPU is in "
-          "the process ratio)")
-    results["target_met"] = worst <= TARGET_RATIO
+    journal = max(results[m]["observed+journal"]["interleaved_process_ratio"] for m in managers)
+    print(f"\n  target: observed/bare <= {target} on the scheduler thread ({HOT_PATH} hot path, kvobs.observe() "
+          f"defaults) -> worst {worst:.3f} (interleaved slices; {whole:.3f} from whole replays): "
+          f"{'MET' if worst <= target else 'MISSED'}")
+    print(f"  target: with the journal (dir=..., what the sidecar reads), process CPU (writer thread included) "
+          f"<= {TARGET_JOURNAL_PROCESS_RATIO} -> worst {journal:.3f}: "
+          f"{'MET' if journal <= TARGET_JOURNAL_PROCESS_RATIO else 'MISSED'}")
+    results["hot_path"] = HOT_PATH
+    results["target_met"] = worst <= target and journal <= TARGET_JOURNAL_PROCESS_RATIO
     write_json(args.json, "overhead", results)
     return results
 

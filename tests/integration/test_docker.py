@@ -242,3 +242,38 @@ def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
         assert keep["regex"] == f"{labels['app.kubernetes.io/name']};{jobs[job['job_name']]}"
         assert {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}[
             "model"] == [meta]
+
+
+def build_context(destination: Path) -> Path:
+    """The files `docker build .` sends: the repository filtered by .dockerignore (an allowlist)."""
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    allowed = [line[1:].rstrip("/") for line in lines if line.startswith("!")]
+    excluded = [line for line in lines if line and not line.startswith(("!", "#")) and line != "*"]
+    for name in allowed:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, destination / name,
+                            ignore=lambda d, names: [n for n in names if any(Path(d, n).match(p) for p in excluded)])
+        else:
+            shutil.copy2(source, destination / name)
+    return destination
+
+
+def test_the_docker_build_context_builds_a_wheel_with_the_compiled_hot_path(tmp_path: Path) -> None:
+    """What both Dockerfiles do in their build stage: `pip wheel` of the build context, with build
+    isolation (setup.py's mypyc comes from the build requirements, as in the image). The compiled
+    module must be inside, and not one left in the working tree by an editable install."""
+    (tmp_path / "context").mkdir()
+    context = build_context(tmp_path / "context")
+    assert not list(context.rglob("*.so")), "the build context carries compiled files of this machine"
+    out = tmp_path / "wheels"
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", str(out),
+                             str(context)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [wheel] = out.glob("kvobs-*.whl")
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    compiled = [n for n in names if n.startswith("kvobs/_recording") and n.endswith(".so")]
+    assert compiled and "kvobs/_recording.py" in names, names  # the compiled form, and its source as fallback
+    assert "-py3-none-any" not in wheel.name  # a platform wheel: it carries compiled code
