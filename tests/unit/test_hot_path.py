@@ -25,7 +25,7 @@ PACKAGE = Path(kvobs.__file__).parent
 
 def test_the_compiled_form_runs_unless_python_is_asked_for() -> None:
     forced = os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0")
-    assert recording.HOT_PATH == ("python" if forced else "compiled")
+    assert ("python" if forced else "compiled") == recording.HOT_PATH
     assert recording.is_compiled(recording._impl) is not forced
 
 
