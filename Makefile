@@ -1,26 +1,50 @@
-# kvobs — the two commands: `make demo` and `make test`. Each sets up .venv by itself.
+# kvobs — the two commands: `make demo` and `make test`. Each sets up what it needs by itself.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.kvobs-installed
+# The release `make demo` and the whole suite run on; every other supported release gets a venv of
+# its own (.venv-<release>) running the tests that touch vLLM (RELEASE_TESTS).
+VLLM_VERSION ?= 0.33.0
+OLD_RELEASES ?= 0.30.0 0.31.0 0.32.0
+xgrammar_0.31.0 := 0.2.7
+XGRAMMAR = $(or $(xgrammar_$(1)),0.2.8)
+RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transparency.py \
+  tests/integration/test_plugin.py tests/integration/test_scheduler.py tests/integration/test_verdict_overflow.py \
+  tests/integration/test_fs_tier.py tests/integration/test_fail_open.py tests/reliability/test_reliability_transparency.py
 
-.PHONY: venv prometheus tools test lint typecheck demo bench clean
+.PHONY: venv release-venvs prometheus tools test test-releases lint typecheck demo bench clean
 
 venv: $(STAMP)
 
-# torch 2.13.0 CPU build first, then vLLM 0.33.0 without its GPU dependencies,
-# then the deps its scheduler-side code needs (notes §6), then kvobs itself.
-$(STAMP): pyproject.toml setup.py kvobs/_recording.py requirements/vllm-cpu.txt
+# torch 2.13.0 CPU build first, then vLLM without its GPU dependencies, then the deps its
+# scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
+# its hot path, kvobs/_recording.py, with mypyc).
+$(STAMP): pyproject.toml setup.py kvobs/_recording.py requirements/vllm-$(VLLM_VERSION).txt
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q --no-deps "vllm==0.33.0"
-	$(PIP) install -q -r requirements/vllm-cpu.txt
-	$(PIP) install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11"
+	$(PIP) install -q --no-deps "vllm==$(VLLM_VERSION)"
+	$(PIP) install -q -r requirements/vllm-$(VLLM_VERSION).txt
+	$(PIP) install -q --no-deps "xgrammar==$(call XGRAMMAR,$(VLLM_VERSION))" "apache-tvm-ffi==0.1.11"
 	$(PIP) install -q -e '.[otlp,dev]'
 	touch $(STAMP)
+
+# A venv per older release, the same CPU-only recipe; kvobs is not installed there: the tests run the
+# repository's kvobs (its hot path compiled by the main venv's install, for the same Python).
+release-venvs: $(foreach r,$(OLD_RELEASES),.venv-$(r)/.kvobs-installed)
+
+.venv-%/.kvobs-installed: requirements/vllm-%.txt requirements/kvobs-test.txt
+	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip --disable-pip-version-check install -q "torch==2.13.0"
+	.venv-$*/bin/python -m pip --disable-pip-version-check install -q --no-deps "vllm==$*"
+	.venv-$*/bin/python -m pip --disable-pip-version-check install -q -r requirements/vllm-$*.txt \
+	  -r requirements/kvobs-test.txt
+	.venv-$*/bin/python -m pip --disable-pip-version-check install -q --no-deps \
+	  "xgrammar==$(call XGRAMMAR,$*)" "apache-tvm-ffi==0.1.11"
+	touch $@
 
 # The export tests scrape the sidecar with Debian's real Prometheus server.
 prometheus:
@@ -44,13 +68,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The whole suite on kvobs's compiled hot path, then the tests that matter for it again on its
-# pure-Python form (what kvobs runs where no C compiler compiled kvobs/_recording.py).
+# The whole suite on vLLM $(VLLM_VERSION) and kvobs's compiled hot path; the tests that matter for the hot
+# path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/_recording.py);
+# then the tests that touch vLLM on every older supported release.
 test: $(STAMP) tools lint typecheck
 	$(PY) -m pytest -q tests
 	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
 	  tests/integration/test_transparency.py tests/integration/test_causes.py \
 	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
+	$(MAKE) --no-print-directory test-releases
+
+test-releases: $(STAMP) release-venvs
+	@for r in $(OLD_RELEASES); do \
+	  echo "== vLLM $$r: $(RELEASE_TESTS)"; \
+	  PYTHONPATH=$(CURDIR) .venv-$$r/bin/python -m pytest -q -p no:cacheprovider $(RELEASE_TESTS) || exit 1; \
+	done
 
 demo: $(STAMP)
 	$(VENV)/bin/kvobs demo
@@ -63,4 +95,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) .pytest_cache .mypy_cache .ruff_cache build

@@ -76,6 +76,23 @@ def _stem_pid(stem_pid: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def announce_unobserved(directory: str | os.PathLike[str], engine: str, vllm_version: str, reason: str,
+                        detail: str) -> None:
+    """One journal line saying an engine runs unobserved, and why (the sidecar exports it as
+    ``kvobs_observing{reason} 0``). Written once, synchronously: no writer thread is started."""
+    from kvobs import __version__
+
+    journal_dir = private_dir(private_dir(Path(directory)) / "journal")
+    writer = Writer(engine, os.getpid(), os.urandom(6).hex())
+    line = encode_hello(writer, time.time(), version=__version__, vllm_version=vllm_version, history_size=0,
+                        hot_path="", observing=False, reason=reason, detail=detail[:500])
+    fd = os.open(journal_dir / f"{engine}-{os.getpid()}.000000.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        write_all(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 class JournalSink(Sink):
     """Writes an engine's records for the sidecar; see the module docstring."""
 

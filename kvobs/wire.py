@@ -143,7 +143,8 @@ class Hello(NamedTuple):
     hot_path: str
     model_name: str
     observing: bool
-    reason: str
+    reason: str  # why not, when not observing (kvobs.wire.OBSERVING_REASONS)
+    detail: str = ""
 
 
 class Totals(NamedTuple):
@@ -211,11 +212,16 @@ def _head(kind: str, writer: Writer) -> dict[str, Any]:
     return {"k": kind, "e": writer.engine, "pid": writer.pid, "run": writer.run}
 
 
+OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
+"""The ``reason`` label of ``kvobs_observing``: observing, or why kvobs stepped aside."""
+
+
 def encode_hello(writer: Writer, time: float, *, version: str, vllm_version: str, history_size: int,
-                 hot_path: str, model_name: str = "", observing: bool = True, reason: str = "") -> str:
+                 hot_path: str, model_name: str = "", observing: bool = True, reason: str = "ok",
+                 detail: str = "") -> str:
     return _dumps({**_head("hello", writer), "t": time, "format": FORMAT_VERSION, "version": version,
                    "vllm_version": vllm_version, "history_size": history_size, "hot_path": hot_path,
-                   "model_name": model_name, "observing": observing, "reason": reason})
+                   "model_name": model_name, "observing": observing, "reason": reason, "detail": detail})
 
 
 def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[str, int]], *,
@@ -337,12 +343,15 @@ def decode_record(record: Any) -> Record | None:
             return None
         return Totals(writer, float(time), counters, float(keys), float(window))
     if kind == "hello":
-        texts = {k: record.get(k, "") for k in ("version", "vllm_version", "hot_path", "model_name", "reason")}
-        size = record.get("history_size", 0)
+        texts = {k: record.get(k, "") for k in ("version", "vllm_version", "hot_path", "model_name")}
+        size, observing = record.get("history_size", 0), record.get("observing", True)
+        reason, detail = record.get("reason", "ok"), record.get("detail", "")
         if not all(isinstance(v, str) and len(v) <= 256 for v in texts.values()) or not is_count(size):
             return None
+        if not isinstance(observing, bool) or reason not in OBSERVING_REASONS or not isinstance(detail, str):
+            return None
         return Hello(writer, float(time), texts["version"], texts["vllm_version"], int(size), texts["hot_path"],
-                     texts["model_name"], record.get("observing", True) is not False, texts["reason"])
+                     texts["model_name"], observing, reason, detail[:500])
     if kind in ("near_miss", "failure"):
         return Note(writer, kind, float(time), {k: v for k, v in record.items() if k not in ("k", "e", "pid", "run")})
     return None

@@ -66,6 +66,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from kvobs.vllm import compat
+
 BLOCK_SIZE = 16
 """Tokens per GPU block, per block hash and (blocks_per_chunk=1) per offloaded chunk."""
 SLIDING_WINDOW = 32
@@ -110,11 +112,20 @@ class _WithModelFacts:
         return getattr(self._vllm_config, name)
 
 
-def make_kv_cache_config(*, hybrid: bool, num_full_groups: int = 1, num_gpu_blocks: int = 4096) -> KVCacheConfig:
-    """``num_full_groups`` full-attention groups, plus one sliding-window group when ``hybrid``.
+def make_kv_cache_config(
+    *,
+    hybrid: bool,
+    num_full_groups: int = 1,
+    num_sliding_groups: int = 1,
+    extra_retained_tokens: int = 0,
+    num_gpu_blocks: int = 4096,
+) -> KVCacheConfig:
+    """``num_full_groups`` full-attention groups, then ``num_sliding_groups`` sliding-window groups
+    when ``hybrid`` (a Gemma-style model: one full-attention group, five sliding-window ones).
 
-    Same block size in every group, as vLLM's hybrid allocator produces. No
-    ``kv_cache_tensors``: the per-block byte size then comes from the group page sizes.
+    Same block size in every group, as vLLM's hybrid allocator produces. No ``kv_cache_tensors``:
+    the per-block byte size then comes from the group page sizes. ``extra_retained_tokens`` is
+    the sliding-window spec's own (MTP retained history; vLLM < 0.31's connector ignores it).
     """
     groups = [
         KVCacheGroupSpec(
@@ -129,17 +140,20 @@ def make_kv_cache_config(*, hybrid: bool, num_full_groups: int = 1, num_gpu_bloc
         for i in range(num_full_groups)
     ]
     if hybrid:
-        groups.append(
+        window: dict[str, Any] = {"extra_retained_tokens": extra_retained_tokens} if extra_retained_tokens else {}
+        groups.extend(
             KVCacheGroupSpec(
-                [f"model.layers.{num_full_groups}.self_attn"],
+                [f"model.layers.{num_full_groups + i}.self_attn"],
                 SlidingWindowSpec(
                     block_size=BLOCK_SIZE,
                     num_kv_heads=_NUM_KV_HEADS,
                     head_size=_HEAD_SIZE,
                     dtype=_DTYPE,
                     sliding_window=SLIDING_WINDOW,
+                    **window,
                 ),
             )
+            for i in range(num_sliding_groups)
         )
     return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
@@ -190,6 +204,8 @@ def build_scheduler(
     *,
     hybrid: bool,
     num_full_groups: int = 1,
+    num_sliding_groups: int = 1,
+    extra_retained_tokens: int = 0,
     num_cpu_chunks: int | None = None,
 ) -> tuple[OffloadingConnectorScheduler, OffloadingSpec, KVCacheConfig]:
     """Build the spec and the connector scheduler the way ``OffloadingConnector`` does.
@@ -199,7 +215,10 @@ def build_scheduler(
     CPU (primary) tier holds exactly that many chunks: a small value makes eviction easy.
     The caller owns shutdown: ``scheduler.shutdown()`` frees the manager (and its /dev/shm).
     """
-    kv_cache_config = make_kv_cache_config(hybrid=hybrid, num_full_groups=num_full_groups)
+    kv_cache_config = make_kv_cache_config(
+        hybrid=hybrid, num_full_groups=num_full_groups, num_sliding_groups=num_sliding_groups,
+        extra_retained_tokens=extra_retained_tokens,
+    )
     extra = dict(extra_config)
     if num_cpu_chunks is not None:
         probe = make_offloading_config(make_vllm_config(extra), kv_cache_config)
@@ -305,12 +324,24 @@ class EngineStepDriver:
             if request.request_id not in self._reqs:
                 self.add_request(request)
         try:
-            return self._step(admit)
+            meta = self._step(admit)
         except BaseException:
             # vLLM's engine dies here; the harness goes on, so hand the manager lock back
             # (the step region opened by the first lookup would otherwise stay held).
-            self.scheduler._release_step()
+            compat.release_step(self.scheduler)
             raise
+        self.settle()
+        return meta
+
+    def settle(self) -> None:
+        """The model step's duration: the secondary tiers' I/O and async lookups finish meanwhile.
+
+        A real engine spends tens of milliseconds in the model between two scheduler steps, in
+        which vLLM's fs tier threads complete their transfers and answer the lookups the step
+        posted; the harness waits for exactly that instead of sleeping, so replays are
+        deterministic.
+        """
+        compat.settle_secondary_tiers(self.scheduler.manager)
 
     def _step(self, admit: list[Request]) -> OffloadingConnectorMetadata:
         num_scheduled: dict[str, int] = {}
@@ -366,6 +397,8 @@ class EngineStepDriver:
             scheduled_encoder_inputs={},
             finished_req_ids=set(self._finished),
             free_encoder_mm_hashes=[],
+            # Required before 0.32, optional since; the connector never reads it.
+            num_common_prefix_blocks=[0] * len(self.kv_cache_config.kv_cache_groups),
         )
         self._finished.clear()
         meta = self.scheduler.build_connector_meta(output)
@@ -464,6 +497,7 @@ class EngineStepDriver:
                 ),
             )
         )
+        self.settle()
 
     def report_all_worker_jobs(self) -> None:
         """``report_worker_jobs`` for every job still pending."""

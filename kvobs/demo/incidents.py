@@ -1,15 +1,27 @@
 """Request patterns that end in vLLM's offload assertion, replayed through the real scheduler.
 
-``promotion_evicts_hit`` is the pattern of vLLM #50014 on a hybrid (full attention + sliding
-window) model with tiering. It needs a freshly started engine whose CPU tier holds 12 chunks
-(``build_scheduler(..., hybrid=True, num_full_groups=1, num_cpu_chunks=12)``); nothing else is
-staged: the eviction comes from the tiering manager's own promotion inside ``lookup()``.
+Nothing is injected in any of them: the eviction comes from the tiering manager's own promotion
+inside ``lookup()``, or the range disagreement from vLLM's own connector. Which release each one
+fails on was found by searching CPU tier sizes on every supported release (docs/vllm.md):
+
+* ``promotion_evicts_hit``: vLLM #50014, 1 full-attention + 1 sliding-window group, a CPU tier
+  of 12 chunks. With vLLM's in-memory example tier it fails on 0.33; with the real fs tier on
+  0.31, 0.32 and 0.33.
+* ``promotion_after_deferral``: the production configuration (``PRODUCTION``: a Gemma-style
+  model with 1 full-attention + 5 sliding-window groups, CPU tier + vLLM's
+  ``FileSystemTierManager``), a CPU tier of ``PRODUCTION_CPU_CHUNKS``: fails on 0.30, 0.31 and
+  0.32 (``evicted_after_lookup``, the promotion inside lookup evicts a counted hit); on 0.33
+  no failure (its request-rank LRU keeps the hit).
+* the same traffic with MTP retained history (``MTP_RETAINED_TOKENS`` on the sliding-window
+  groups): fails on 0.30 as ``coverage_mismatch`` (vLLM #56701: 0.30's connector ignores the
+  retained tokens, fixed in 0.31); no failure on 0.31 to 0.33.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.request import Request
 
@@ -17,6 +29,27 @@ from kvobs.demo.driver import EngineStepDriver, make_request
 
 DOCUMENT_TOKENS = 160
 """Tokens of the shared document the pattern's prompts are cut from."""
+
+PRODUCTION = {"hybrid": True, "num_full_groups": 1, "num_sliding_groups": 5}
+"""``build_scheduler`` keywords of the production configuration: a Gemma-style hybrid model, six KV groups."""
+PRODUCTION_CPU_CHUNKS = 29
+"""The CPU tier size at which ``promotion_after_deferral`` fails on 0.30, 0.31 and 0.32."""
+MTP_RETAINED_TOKENS = 16
+"""Sliding-window tokens MTP keeps below the window (``SlidingWindowSpec.extra_retained_tokens``)."""
+FILLER_TOKENS = 49
+"""Tokens of each unrelated prompt ``promotion_after_deferral`` uses to push the document out."""
+
+
+def fs_tier(root_dir: str) -> dict[str, Any]:
+    """``kv_connector_extra_config`` keys of a CPU tier backed by vLLM's real ``FileSystemTierManager``.
+
+    One read and one write thread (vLLM's default is 16 of each); a tier-poll interval as in
+    production (vLLM 0.33 starts the poll thread only for tiers that ask for it; fs does not).
+    """
+    return {
+        "secondary_tiers": [{"type": "fs", "root_dir": root_dir, "n_read_threads": 1, "n_write_threads": 1}],
+        "tier_poll_interval_s": 0.001,
+    }
 
 
 @dataclass(frozen=True)
@@ -69,4 +102,63 @@ def promotion_evicts_hit(
     driver.step([filler])
     driver.report_all_worker_jobs()  # w3's (late) and filler's stores
     driver.step([victim])
+    if driver.num_external_tokens.get(victim.request_id) is None:  # an async tier answered RETRY: next step
+        driver.step()
     return PromotionEvictsHit((w3, w2), filler, victim)
+
+
+@dataclass(frozen=True)
+class PromotionAfterDeferral:
+    """The requests of one ``promotion_after_deferral`` replay."""
+
+    writers: tuple[Request, ...]
+    fillers: tuple[Request, ...]
+    victim: Request
+
+
+def promotion_after_deferral(
+    driver: EngineStepDriver, document: Sequence[int], fillers: Sequence[Sequence[int]], name: str = ""
+) -> PromotionAfterDeferral:
+    """A hit counted in one lookup pass, evicted by a promotion in the next (the fs tier defers once).
+
+    On the production configuration (``PRODUCTION``, ``fs_tier``, ``PRODUCTION_CPU_CHUNKS``):
+
+    1. ``w129`` (X[:129]) stores the document's chunks; they cascade to the fs tier. Four
+       unrelated prompts (``fillers``) then push every X chunk out of the CPU tier.
+    2. ``w81`` (X[:81]) stores X's first chunks again and keeps decoding; ``w145`` (X[:145])
+       starts storing the next ones (write-pending: not evictable).
+    3. ``c`` (X[:113]) looks up: full-attention hits, write-pending hits, and sliding-window
+       chunks only the fs tier holds, whose first fs lookup answers RETRY: ``c`` is deferred.
+    4. ``w145``'s store completes. ``c`` looks up again: a sliding-window chunk found in the fs
+       tier is promoted, and the promotion evicts the least recently used chunk, which on
+       0.30-0.32 is one of ``c``'s counted full-attention hits; the window shrinks the hit, the
+       full-attention groups are not looked up again, and ``prepare_load`` asserts.
+    """
+    if len(document) < DOCUMENT_TOKENS or len(fillers) < 4 or min(map(len, fillers)) < FILLER_TOKENS:
+        raise ValueError(f"need a {DOCUMENT_TOKENS}-token document and 4 fillers of {FILLER_TOKENS} tokens")
+
+    def store_and_finish(request: Request) -> None:
+        driver.step([request])
+        driver.report_all_worker_jobs()
+        driver.finish(request)
+        driver.step()
+        driver.step()
+
+    w129 = make_request(f"{name}w129", document[:129], skip_reading_prefix_cache=True)
+    store_and_finish(w129)
+    filled = tuple(make_request(f"{name}f{i}", tokens[:FILLER_TOKENS], skip_reading_prefix_cache=True)
+                   for i, tokens in enumerate(fillers[:4]))
+    for filler in filled:
+        store_and_finish(filler)
+    w81 = make_request(f"{name}w81", document[:81], skip_reading_prefix_cache=True)
+    driver.step([w81])
+    driver.report_all_worker_jobs()
+    driver.step()
+    driver.step()
+    w145 = make_request(f"{name}w145", document[:145], skip_reading_prefix_cache=True)
+    driver.step([w145])
+    victim = make_request(f"{name}c", document[:113])
+    driver.step([victim])
+    driver.report_all_worker_jobs()
+    driver.step()
+    return PromotionAfterDeferral((w129, w81, w145), filled, victim)

@@ -74,6 +74,11 @@ class KvobsCollector(Collector):
             "kvobs and vLLM versions and the hot path each engine runs (compiled or python).",
             labels=["engine", "version", "vllm_version", "hot_path"],
         )
+        observing = GaugeMetricFamily(
+            "kvobs_observing",
+            "1 while kvobs observes the engine's offload manager, 0 when it stepped aside (reason: why).",
+            labels=["engine", "reason"],
+        )
         last = GaugeMetricFamily(
             "kvobs_engine_last_record_timestamp_seconds",
             "Wall time of the newest record from each engine.",
@@ -105,6 +110,7 @@ class KvobsCollector(Collector):
                 hello = engine.hello
                 if hello is not None:
                     build.add_metric([name, hello.version, hello.vllm_version, hello.hot_path], 1)
+                    observing.add_metric([name, hello.reason], 1 if hello.observing else 0)
                 last.add_metric([name], engine.last_record_time)
             skipped = dict(state.skipped)
             records = state.records
@@ -124,7 +130,7 @@ class KvobsCollector(Collector):
             dropped,
             errors,
         )
-        yield from (build, last)
+        yield from (build, observing, last)
         ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")
         ingested.add_metric([], records)
         yield ingested

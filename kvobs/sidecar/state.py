@@ -262,7 +262,7 @@ class _Restore:
         hello = e.get("hello")
         if hello is not None:
             try:
-                fields = {k: hello[k] for k in Hello._fields if k != "writer"}
+                fields = {k: hello[k] for k in Hello._fields if k != "writer" and k in hello}
                 writer = hello["writer"]
                 engine.hello = Hello(self._writer(str(writer[0]), int(writer[1]), str(writer[2])), **fields)
             except (KeyError, TypeError, IndexError, ValueError) as exc:

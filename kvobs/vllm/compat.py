@@ -1,34 +1,59 @@
-"""Everything kvobs knows about vLLM's offload code: its protocol, its private attributes.
+"""Everything kvobs knows about vLLM's offload code: its protocol, its releases, its private attributes.
 
-The only module that reads a private vLLM attribute or knows a release difference;
-everything else in ``kvobs.vllm`` asks it. The protocol relied on (vLLM 0.33.0):
+The only module that reads a private vLLM attribute or knows a release difference; everything
+else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: vLLM 0.30.0 to 0.33.0,
+detected by feature, never by version number. The protocol relied on, in all four:
 
 * every chunk that leaves the CPU tier leaves through the cache policy of the CPU-resident
   manager (``CPUOffloadingManager._policy``): ``evict(n, protected) -> [(key, chunk)] | None``
   (capacity, inside ``prepare_store``; also reached from tiering promotions inside
-  ``lookup()``, ``on_schedule_end()`` and the tier-poll thread), ``remove(key)`` (a failed
-  store, from ``complete_store(success=False)``) and ``clear()`` (``reset_cache()``);
-* ``policy.insert(key, chunk, req_context)`` adds a stored chunk; ``policy.get(key)`` finds it;
-  a chunk has ``chunk_id`` (its slot) and ``is_ready``;
+  ``lookup()`` and ``on_schedule_end()``, and on 0.33 from the tier-poll thread),
+  ``remove(key)`` (a failed store, from ``complete_store(success=False)``) and ``clear()``
+  (``reset_cache()``);
+* ``policy.insert(key, chunk, ...)`` adds a stored chunk (0.33 adds ``req_context``);
+  ``policy.get(key)`` finds it; a chunk has ``chunk_id`` (its slot) and ``is_ready``;
 * the built-in LRU policy keeps its chunks in ``chunks``, ARC in ``t1`` and ``t2``;
-* a tiering manager's CPU tier is ``TieringOffloadingManager.primary_tier``.
+* a tiering manager's CPU tier is ``TieringOffloadingManager.primary_tier``;
+* the manager methods kvobs taps take ``lookup(key, req_context, *, exclude_tier_idx)``,
+  ``prepare_load(keys, req_context)``, ``prepare_store(keys, req_context)``,
+  ``complete_store(keys, req_context, success=True)``, ``on_request_finished(req_context, *,
+  exclude_tier_idx)`` (tiering only has ``exclude_tier_idx``), ``on_schedule_end(context)``,
+  ``reset_cache()``.
 
-:func:`check` verifies all of it on a live manager before kvobs touches anything, and
-raises :class:`ProtocolMismatch` naming what is missing: the plugin then steps aside
+Release differences kvobs meets (each checked by feature, below):
+
+* ``OffloadingManager.lock``, ``on_reset_flushed``, ``config_info``, ``ConfigInfoMapping``,
+  ``OffloadingSpec.config_info_keys``, the tiering lock and tier-poll thread: 0.33 only;
+* ``OffloadingManager.get_load_source``: 0.32 and later;
+* ``ReqContext.get_offload_key_position`` (a chunk's end token, for the message): 0.31 and
+  later. 0.30 keeps positions only inside the connector scheduler's request state, which an
+  offloading spec never sees, so the message has no end tokens there (README, "Supported vLLM");
+* ``policy.insert`` takes ``req_context`` from 0.33 (kvobs reads only its ``chunk``).
+
+:func:`check` verifies all of it on a live manager before kvobs touches anything, and raises
+:class:`ProtocolMismatch` naming what is missing: the plugin then steps aside
 (``kvobs.vllm.spec``) and ``kvobs.observe()`` raises it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
 from kvobs.recording import ClearTap, EvictTap, InsertTap, PolicyTap, Recorder, RemoveTap
+
+try:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+except ImportError:  # a release kvobs does not know: check() says so and the plugin steps aside
+    CPUOffloadingManager = None  # type: ignore[assignment,misc]
+try:
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+except ImportError:
+    TieringOffloadingManager = None  # type: ignore[assignment,misc]
 
 
 def _version() -> str:
@@ -42,35 +67,52 @@ VLLM_VERSION = _version()
 HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 
+HAS_KEY_POSITIONS = hasattr(ReqContext, "get_offload_key_position")
+"""0.31 and later: the connector records each chunk's end token on the request context."""
+HAS_LOCK = isinstance(getattr(OffloadingManager, "lock", None), property)
+"""0.33: the manager has a lock (a real one for tiering, held by vLLM for the whole step)."""
+
 POLICY_TABLES = ("chunks", "t1", "t2")
 """Where the built-in policies keep resident chunks (LRU: ``chunks``; ARC: ``t1``, ``t2``)."""
 POLICY_METHODS = ("evict", "remove", "clear", "insert", "get")
+
+# The call shapes kvobs's taps forward (kvobs/_recording.py): (method, positional arguments, keywords
+# only some managers take). check() binds them to the live manager's methods.
+TAPPED_CALLS: tuple[tuple[str, tuple[Any, ...], tuple[str, ...]], ...] = (
+    ("lookup", (b"", None), ("exclude_tier_idx",)),
+    ("prepare_load", ((), None), ()),
+    ("prepare_store", ((), None), ()),
+    ("complete_store", ((), None, True), ()),
+    ("on_request_finished", (None,), ("exclude_tier_idx",)),
+    ("on_schedule_end", (None,), ()),
+    ("reset_cache", (), ()),
+)
 
 
 class ProtocolMismatch(Exception):
     """The vLLM code in front of kvobs is not what kvobs knows how to observe."""
 
 
-def cpu_tier_of(manager: OffloadingManager) -> CPUOffloadingManager | None:
+def cpu_tier_of(manager: OffloadingManager) -> Any | None:
     """The CPU-resident manager whose policy sees every removal, or None for a manager kvobs cannot hook."""
-    if isinstance(manager, TieringOffloadingManager):
+    if TieringOffloadingManager is not None and isinstance(manager, TieringOffloadingManager):
         tier = getattr(manager, "primary_tier", None)
-        return tier if isinstance(tier, CPUOffloadingManager) else None
-    if isinstance(manager, CPUOffloadingManager):
+        return tier if CPUOffloadingManager is not None and isinstance(tier, CPUOffloadingManager) else None
+    if CPUOffloadingManager is not None and isinstance(manager, CPUOffloadingManager):
         return manager
     return None
 
 
 def lookup_can_remove(manager: OffloadingManager) -> bool:
     """Whether ``lookup()`` can remove chunks: a tiering manager promotes from inside it."""
-    return not isinstance(manager, CPUOffloadingManager)
+    return not (CPUOffloadingManager is not None and isinstance(manager, CPUOffloadingManager))
 
 
-def policy_of(cpu: CPUOffloadingManager) -> Any:
+def policy_of(cpu: Any) -> Any:
     return cpu._policy
 
 
-def num_chunks(cpu: CPUOffloadingManager) -> int:
+def num_chunks(cpu: Any) -> int:
     """Slots of the CPU tier (residency stamps are kept per slot)."""
     return int(cpu._num_chunks)
 
@@ -84,9 +126,29 @@ def is_hooked(manager: OffloadingManager) -> bool:
     return policy is not None and any(isinstance(getattr(policy, name, None), PolicyTap) for name in POLICY_METHODS)
 
 
+def _takes(method: Any, args: tuple[Any, ...]) -> bool:
+    try:
+        inspect.signature(method).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): trust it
+        return True
+    return True
+
+
 def check(manager: OffloadingManager) -> None:
     """Raise ProtocolMismatch unless kvobs knows everything it reads of ``manager``."""
-    if isinstance(manager, TieringOffloadingManager) and cpu_tier_of(manager) is None:
+    if CPUOffloadingManager is None:
+        raise ProtocolMismatch(f"vLLM {VLLM_VERSION} has no vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager")
+    for name, args, _ in TAPPED_CALLS:
+        method = getattr(manager, name, None)
+        if not callable(method):
+            raise ProtocolMismatch(f"{type(manager).__name__} has no {name}()")
+        if not _takes(method, args):
+            raise ProtocolMismatch(f"{type(manager).__name__}.{name}{inspect.signature(method)} does not take "
+                                   f"{len(args)} positional arguments as kvobs forwards them")
+    if TieringOffloadingManager is not None and isinstance(manager, TieringOffloadingManager) \
+            and cpu_tier_of(manager) is None:
         raise ProtocolMismatch("TieringOffloadingManager without a CPU primary_tier")
     cpu = cpu_tier_of(manager)
     if cpu is None:
@@ -118,7 +180,7 @@ def resident_chunks(policy: Any) -> list[tuple[bytes, Any]]:
     return found
 
 
-def hook_policy(cpu: CPUOffloadingManager, recorder: Recorder, *, stamp_inserts: bool) -> None:
+def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     """Tap the CPU tier's cache policy: every removal (any thread), and every insert when
     ``stamp_inserts`` (residency, for the journal; it costs a call per stored chunk).
 
@@ -137,7 +199,7 @@ def hook_policy(cpu: CPUOffloadingManager, recorder: Recorder, *, stamp_inserts:
         setattr(policy, name, tap)
 
 
-def chunk_state(cpu: CPUOffloadingManager, key: bytes) -> str | None:
+def chunk_state(cpu: Any, key: bytes) -> str | None:
     """``None`` when the chunk can be read, else ``"missing"`` or ``"not_ready"``."""
     chunk = cpu._policy.get(OffloadKey(key))
     if chunk is None:
@@ -146,7 +208,9 @@ def chunk_state(cpu: CPUOffloadingManager, key: bytes) -> str | None:
 
 
 def key_position(req_context: Any, key: bytes) -> int | None:
-    """The chunk's end token, as the connector set it on the request context."""
+    """The chunk's end token, as the connector set it on the request context (None before 0.31)."""
+    if not HAS_KEY_POSITIONS:
+        return None
     return req_context.get_offload_key_position(key)
 
 
@@ -154,3 +218,39 @@ def request_context(connector_scheduler: Any, request_id: str) -> Any | None:
     """The ReqContext the connector scheduler keeps for a request (to carry its trace context)."""
     status = connector_scheduler._req_status.get(request_id)
     return None if status is None else status.req_context
+
+
+def release_step(connector_scheduler: Any) -> None:
+    """Hand back the manager lock the connector holds for a step (0.33 ``_release_step``; no lock before).
+
+    For a harness that goes on after a failed load: vLLM's engine dies there instead.
+    """
+    release = getattr(connector_scheduler, "_release_step", None)
+    if release is not None:
+        release()
+
+
+def settle_secondary_tiers(manager: Any, timeout_s: float = 10.0) -> None:
+    """Wait until a tiering manager's secondary tiers are idle: I/O jobs done, async lookups answered.
+
+    For a harness that plays the engine's model step (the window in which vLLM's own I/O and
+    lookup threads run): the fs tier's first lookup of a key answers RETRY and resolves on its
+    lookup thread, and its transfers run on a thread pool. Waiting for both, instead of
+    sleeping, makes a replay deterministic. Reads the tiers' private state (``_lookup_manager``
+    and its queues, vLLM 0.30-0.33); a tier without them is left alone.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for tier in getattr(manager, "secondary_tiers", ()):
+        drain = getattr(tier, "drain_jobs", None)
+        if drain is not None:
+            drain()
+        lookups = getattr(tier, "_lookup_manager", None)
+        if lookups is None:
+            continue
+        while time.monotonic() < deadline:
+            in_flight = any(state.phase.name == "IN_FLIGHT" for state in list(lookups._lookup_state.values()))
+            if not in_flight or (lookups._lookup_queue.empty() and not lookups._pending_results.empty()):
+                break
+            time.sleep(0.001)

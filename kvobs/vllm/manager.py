@@ -140,6 +140,9 @@ class ObservedOffloadingManager(OffloadingManager):
         return None if self._kvobs_cpu is None else compat.policy_of(self._kvobs_cpu)
 
     # -- OffloadingManager, called through the class: kvobs's own taps ------------
+    # (Methods only some releases have — get_load_source, on_reset_flushed, config_info — are
+    # instance attributes only, set when the inner manager has them: the wrapper has exactly the
+    # inner manager's methods.)
 
     # The inner manager's lock, read without a Python frame (vLLM takes it every step).
     lock = property(attrgetter("_kvobs_inner.lock"), doc="The inner manager's lock (never entered by kvobs).")
@@ -147,8 +150,6 @@ class ObservedOffloadingManager(OffloadingManager):
     def lookup(self, *args: Any, **kwargs: Any) -> Any:
         return self._kvobs_taps["lookup"](*args, **kwargs)
 
-    def get_load_source(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["get_load_source"](*args, **kwargs)
 
     def prepare_load(self, *args: Any, **kwargs: Any) -> Any:
         return self._kvobs_taps["prepare_load"](*args, **kwargs)
@@ -183,14 +184,10 @@ class ObservedOffloadingManager(OffloadingManager):
     def reset_cache(self) -> Any:
         return self._kvobs_taps["reset_cache"]()
 
-    def on_reset_flushed(self) -> Any:
-        return self._kvobs_taps["on_reset_flushed"]()
 
     def get_stats(self) -> Any:
         return self._kvobs_taps["get_stats"]()
 
-    def config_info(self) -> Any:
-        return self._kvobs_taps["config_info"]()
 
     def shutdown(self) -> None:
         try:

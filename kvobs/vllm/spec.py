@@ -17,6 +17,7 @@ validated in the classmethods too, so a bad option fails at start-up.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvobs.options import OptionError, Options, parse_options
+
+logger = logging.getLogger("kvobs")
 
 KVOBS_KEY = "kvobs"
 DEFAULT_INNER_SPEC = "CPUOffloadingSpec"
@@ -69,6 +72,29 @@ def split_config(extra_config: Mapping[str, Any]) -> tuple[type[OffloadingSpec],
     return inner_cls, inner_extra, options
 
 
+def observe_or_step_aside(inner: OffloadingManager, options: Options) -> OffloadingManager:
+    """``observe_with_options``, or ``inner`` itself (logged once, journaled) when kvobs cannot."""
+    from kvobs.vllm import compat
+    from kvobs.vllm.observe import observe_with_options
+
+    try:
+        return observe_with_options(inner, options)
+    except Exception as exc:
+        reason = "unsupported_vllm" if isinstance(exc, compat.ProtocolMismatch) else "error"
+        logger.warning(
+            "kvobs steps aside: it cannot observe %s on vLLM %s (%s); the engine runs as if kvobs were absent",
+            type(inner).__name__, compat.VLLM_VERSION, exc,
+        )
+        if options.dir is not None:
+            try:
+                from kvobs.journal import announce_unobserved
+
+                announce_unobserved(options.dir, options.engine or "", compat.VLLM_VERSION, reason, str(exc))
+            except Exception as fault:  # nothing kvobs does may stop the engine
+                logger.warning("kvobs could not say so in %s either: %r", options.dir, fault)
+        return inner
+
+
 class ObservedOffloadingSpec(OffloadingSpec):
     """Builds the inner spec's manager and returns it wrapped by kvobs."""
 
@@ -95,13 +121,19 @@ class ObservedOffloadingSpec(OffloadingSpec):
         self._manager: OffloadingManager | None = None
 
     def get_manager(self) -> OffloadingManager:
-        if self._manager is None:
-            from kvobs.vllm.observe import observe_with_options
+        """The inner spec's manager, observed; unobserved, with one warning, if kvobs cannot observe it.
 
-            engine = self.kvobs_options.engine or f"dp{self.config.parallel.data_parallel_index}"
-            self._manager = observe_with_options(
-                self.inner_spec.get_manager(), dataclasses.replace(self.kvobs_options, engine=engine)
+        An observability plugin never stops an engine: on a vLLM release, manager or private
+        attribute kvobs does not know (``compat.ProtocolMismatch``), or any fault of kvobs's own
+        while wrapping, the engine gets the inner manager as vLLM built it, and the journal
+        (when ``dir`` is set) says so: ``kvobs_observing{reason}`` is 0 at the sidecar.
+        """
+        if self._manager is None:
+            inner = self.inner_spec.get_manager()
+            options = dataclasses.replace(
+                self.kvobs_options, engine=self.kvobs_options.engine or f"dp{self.config.parallel.data_parallel_index}"
             )
+            self._manager = observe_or_step_aside(inner, options)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -1,4 +1,4 @@
-"""Every cause, reproduced for real on vLLM 0.33.0's managers, named correctly in the message."""
+"""Every cause, reproduced for real on vLLM's managers (every supported release), named correctly in the message."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
-from vllm_env import cpu_extra, create_manager, key, tiering_extra
+from vllm_env import cpu_extra, create_manager, end_token, key, set_position, tiering_extra, token_range
 
 import kvobs
 from kvobs.vllm import ObservedOffloadingManager
@@ -32,8 +32,8 @@ def observed(managers: list, extra: dict[str, Any], **options: Any) -> ObservedO
 
 def ctx(manager: OffloadingManager, req_id: str, positions: dict[bytes, int] | None = None) -> ReqContext:
     context = ReqContext(req_id)
-    for k, end_token in (positions or {}).items():
-        context.set_offload_key_position(k, end_token)
+    for k, position in (positions or {}).items():
+        set_position(context, k, position)
     manager.on_new_request(context)
     return context
 
@@ -62,7 +62,7 @@ def test_coverage_mismatch_chunk_never_stored(managers: list, caplog: pytest.Log
         match = failed_load(m, [key(1), key(7, group=2)], a)
     assert match["cause"] == "coverage_mismatch"
     assert (match["group"], match["req"], match["missing"], match["total"]) == ("2", "req-a", "1", "2")
-    assert match["listed"] == "[(32, None)]" and match["range"] == "16-32"
+    assert match["listed"] == f"[({end_token(32)}, None)]" and match["range"] == token_range("16-32")
     assert "never reported" in match["evidence"]
     assert [r.message for r in caplog.records if r.name == "kvobs"].__len__() == 1
     assert +m.observer.failures == {"coverage_mismatch": 1}
@@ -77,7 +77,7 @@ def test_evicted_after_lookup_by_another_requests_store(managers: list) -> None:
     store(m, [key(3), key(4)], b)  # capacity eviction of key(1), key(2)
     match = failed_load(m, [key(1)], a)
     assert match["cause"] == "evicted_after_lookup"
-    assert match["listed"].startswith("[(1024, 0.0") and match["range"] == "1024-1024"
+    assert match["listed"].startswith(f"[({end_token(1024)}, 0.0") and match["range"] == token_range("1024-1024")
     assert match["hist"] == "2"
     assert "capacity removal" in match["evidence"] and "path=store" in match["evidence"]
     assert "req_id='req-b'" in match["evidence"]
@@ -153,7 +153,7 @@ def test_unknown_when_the_history_is_too_small(managers: list) -> None:
         store(m, [key(1000 + 4 * i + j) for j in range(4)], churn)
     match = failed_load(m, [key(1)], a)
     assert match["cause"] == "unknown"
-    assert match["listed"] == "[(16, None)]" and match["hist"] == "1024"
+    assert match["listed"] == f"[({end_token(16)}, None)]" and match["hist"] == "1024"
     assert "older than the history" in match["evidence"]
 
 

@@ -34,7 +34,8 @@ def test_plugin_wraps_the_inner_spec_and_explains_a_failure(inner: dict[str, Any
     assert spec.num_chunks == bare_spec.num_chunks == 2  # type: ignore[attr-defined]
     spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
     assert spec_cls.build_metric_definitions(extra) == type(bare_spec).build_metric_definitions(inner)
-    assert spec_cls.config_info_keys(extra) == type(bare_spec).config_info_keys(inner)
+    if hasattr(type(bare_spec), "config_info_keys"):  # 0.33
+        assert spec_cls.config_info_keys(extra) == type(bare_spec).config_info_keys(inner)
 
     manager = spec.get_manager()
     bare_spec.get_manager().shutdown()

@@ -12,13 +12,13 @@ from typing import Any
 
 from test_causes import failed_load, observed, store
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm_env import cpu_extra, key
+from vllm_env import cpu_extra, key, set_position
 
 
 def test_a_dropped_verdict_is_not_called_a_coverage_mismatch(managers: list[Any]) -> None:
     m = observed(managers, cpu_extra(2), max_verdicts=1)
     writer, a, b = ReqContext("writer"), ReqContext("req-a"), ReqContext("req-b")
-    b.set_offload_key_position(key(2), 32)
+    set_position(b, key(2), 32)
     store(m, [key(1), key(2)], writer)
     assert m.lookup(key(1), a) is LookupResult.HIT  # fills the verdict table
     assert m.lookup(key(2), b) is LookupResult.HIT  # this verdict is dropped

@@ -7,6 +7,7 @@ with* vLLM's (kvobs appends its explanation to prepare_load assertions only).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 from vllm_env import key
+
+from kvobs.vllm import compat
 
 
 def plain(value: Any) -> Any:
@@ -91,9 +94,19 @@ def random_op(rng: random.Random, num_keys: int, num_requests: int) -> tuple[str
     return op, req, list(dict.fromkeys(keys)), rng.random() < 0.8
 
 
+def step_lock(manager: Any) -> Any:
+    """The manager's lock, held as vLLM holds it around a step (0.33; earlier releases have none)."""
+    return manager.lock if compat.HAS_LOCK else contextlib.nullcontext()
+
+
+def event_fields(event: Any) -> tuple[Any, ...]:
+    """What an OffloadingEvent says (``metadata_only`` is 0.33's)."""
+    return event.keys, event.medium, event.removed, getattr(event, "metadata_only", None)
+
+
 def apply(twin: Twin, op: str, req: str, keys: list[bytes], flag: bool) -> Outcome:
     m, c = twin.manager, twin.ctx(req)
-    with m.lock:
+    with step_lock(m):
         match op:
             case "new_request":
                 return run(lambda: m.on_new_request(c))
@@ -112,7 +125,7 @@ def apply(twin: Twin, op: str, req: str, keys: list[bytes], flag: bool) -> Outco
             case "schedule_end":
                 return run(lambda: m.on_schedule_end(ScheduleEndContext(new_req_ids=[req], preempted_req_ids=())))
             case "take_events":
-                return run(lambda: [(e.keys, e.medium, e.removed, e.metadata_only) for e in m.take_events()])
+                return run(lambda: [event_fields(e) for e in m.take_events()])
             case "get_stats":
                 return run(m.get_stats)
             case "reset":

@@ -1,4 +1,4 @@
-"""Real vLLM 0.33.0 offloading objects built on CPU, for the integration tests.
+"""Real vLLM offloading objects (0.30.0 to 0.33.0, whichever is installed) built on CPU, for the tests.
 
 Specs are created through vLLM's own ``OffloadingSpecFactory.create_spec`` from an
 ``OffloadingConfig`` whose ``extra_config`` is what a user writes in
@@ -23,7 +23,28 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvobs.vllm import compat
+
 BYTES_PER_CHUNK = 4096  # one page: the smallest aligned chunk
+VLLM = tuple(int(part) for part in compat.VLLM_VERSION.split(".")[:2])
+"""The installed release, (major, minor): what a test expects of vLLM itself may differ by release."""
+
+
+def set_position(context: Any, k: bytes, end_token: int) -> None:
+    """Record a chunk's end token as the connector does (0.31 and later; 0.30 keeps none)."""
+    if compat.HAS_KEY_POSITIONS:
+        context.set_offload_key_position(k, end_token)
+
+
+def end_token(value: int) -> int | None:
+    """The end token the message shows for a chunk recorded at ``value`` (None before 0.31)."""
+    return value if compat.HAS_KEY_POSITIONS else None
+
+
+def token_range(text: str) -> str:
+    """The load end_token range the message shows ("unknown" before 0.31)."""
+    return text if compat.HAS_KEY_POSITIONS else "unknown"
+
 _engine_ids = itertools.count()
 
 
@@ -102,7 +123,7 @@ def evicted_after_lookup_then_coverage_mismatch(
         manager.complete_store(keys, writer)
         if pause_s:
             time.sleep(pause_s)
-    victim.set_offload_key_position(key(118), 160)
+    set_position(victim, key(118), 160)
     assert manager.lookup(key(118), victim).name == "HIT"
     for i in range(2):  # evicts key(118) after the victim's lookup
         keys = [key(500 + 2 * i), key(501 + 2 * i, group=1)]

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from twin_driver import Outcome, Twin, apply, plain, run, same
+from twin_driver import Outcome, Twin, apply, event_fields, plain, run, same, step_lock
 from vllm.v1.kv_offload.base import ScheduleEndContext
 from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
@@ -77,12 +77,12 @@ PROPERTY = settings(
 def apply_extra(twin: Twin, op: str, req: str, keys: list[bytes], flag: bool, tiering: bool) -> Outcome:
     """The calls twin_driver.apply does not make."""
     m, c = twin.manager, twin.ctx(req)
-    with m.lock:
+    with step_lock(m):
         match op:
             case "get_load_source":
                 return run(lambda: [m.get_load_source(k, c) for k in keys])
             case "reset_flushed":
-                return run(m.on_reset_flushed)
+                return run(lambda: m.on_reset_flushed())
             case "config_info":
                 return run(lambda: [dict(i) if isinstance(i, dict) else repr(i) for i in m.config_info()])
             case "lookup_excluding":
@@ -98,8 +98,8 @@ def apply_extra(twin: Twin, op: str, req: str, keys: list[bytes], flag: bool, ti
 def final_state(twin: Twin) -> Any:
     """Everything observable after a sequence: remaining events, stats, the policy's contents."""
     m = twin.manager
-    with m.lock:
-        events = [(e.keys, e.medium, e.removed, e.metadata_only) for e in m.take_events()]
+    with step_lock(m):
+        events = [event_fields(e) for e in m.take_events()]
         stats = plain(m.get_stats())
         inner = getattr(m, "inner", m)
         cpu = getattr(inner, "primary_tier", inner)
