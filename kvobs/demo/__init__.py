@@ -77,9 +77,15 @@ class Console:
 
 
 def _engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
-    from kvobs.demo.workload import CPU_ENGINE, TIERING_ENGINE
+    from kvobs.demo.workload import CPU_ENGINE, INCIDENT_ENGINE, PRODUCTION_ENGINE
 
-    return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, TIERING_ENGINE]
+    return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, PRODUCTION_ENGINE, INCIDENT_ENGINE]
+
+
+INCIDENTS = {
+    "promotion_after_deferral": "a hit counted in one lookup pass, evicted by a promotion in the next",
+    "promotion_evicts_hit": "the request pattern of vLLM #50014",
+}
 
 
 def _port_in_use(port: int) -> bool:
@@ -168,8 +174,8 @@ def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: C
             f"injected: the allocator keeps {setup.allocator_retained_tokens} tokens of sliding-window history that "
             "the connector's lookup does not check (the range disagreement of vLLM #56701)",
             WIDTH, initial_indent="  ", subsequent_indent="  "))
-    if setup.replay_incident:
-        console.line("  first requests: the request pattern of vLLM #50014 (nothing injected)")
+    if setup.incident:
+        console.line(f"  first requests: {INCIDENTS[setup.incident]} (nothing injected)")
     shown: set[str] = set()
 
     def on_failure(exc: AssertionError, request: Request) -> None:
@@ -183,7 +189,27 @@ def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: C
                                    break_long_words=False, break_on_hyphens=False))
         console.line("  (further failures with this cause are counted, not printed)\n")
 
-    return run_engine(setup, workload, str(directory), lambda r: console.progress(r, workload.requests), on_failure)
+    run = run_engine(setup, workload, str(directory), lambda r: console.progress(r, workload.requests), on_failure)
+    if setup.incident and not run.incident_failed:
+        paths = ", ".join(f"{path} {n}" for path, n in sorted(run.removals_by_path.items(), key=lambda p: -p[1]))
+        console.line(textwrap.fill(
+            f"  the first requests' pattern does not fail on vLLM {_release_text()} (it does on "
+            f"{_releases_text(setup)}); kvobs counted instead: near misses "
+            f"{_nonzero(run.near_misses)}; removal batches by the call they happened in: {paths}",
+            WIDTH, subsequent_indent="    "))
+    return run
+
+
+def _release_text() -> str:
+    from kvobs.vllm import compat
+
+    return compat.VLLM_VERSION
+
+
+def _releases_text(setup: EngineSetup) -> str:
+    supported = [(0, 30), (0, 31), (0, 32), (0, 33)]
+    failing = [f"0.{minor}" for major, minor in supported if setup.fails_from <= (major, minor) <= setup.fails_until]
+    return ", ".join(failing) or "none of the supported releases"
 
 
 def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path, earlier_runs: bool) -> None:
@@ -193,6 +219,8 @@ def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path,
         console.line(f"    evicted chunks: {_nonzero(run.evicted)}")
         console.line(f"    near misses (hits evicted before their load): {_nonzero(run.near_misses)}")
         console.line(f"    failed loads by cause: {_nonzero(run.failures)}")
+        if run.setup.incident:
+            console.line(f"    removal batches by call: {_nonzero(run.removals_by_path)}")
     expected = {
         "kvobs_evicted_chunks": sum(sum(r.evicted.values()) for r in runs),
         "kvobs_load_failures": sum(sum(r.failures.values()) for r in runs),

@@ -1,19 +1,25 @@
-"""The ``kvobs demo`` workload: vLLM 0.33.0's real connector scheduler and managers, on CPU.
+"""The ``kvobs demo`` workload: vLLM's real connector scheduler and managers, on CPU.
 
-Each demo engine is a hybrid model (full-attention KV groups plus a sliding-window group)
+Each demo engine is a hybrid model (full-attention KV groups plus sliding-window groups)
 served through the real ``OffloadingConnectorScheduler`` and the ``ObservedOffloadingSpec``
 plugin built by vLLM's own factory; ``kvobs.demo.driver`` plays the engine's scheduler and
 workers. Traffic: multi-turn chats on shared system prompts and questions on shared documents,
-under eviction pressure. The two defect classes then happen the way they do in production:
+under eviction pressure. The defect classes then happen the way they do in production:
 
-* **CPU engine** (``CPUOffloadingSpec``, two full-attention groups): the allocator keeps one
-  chunk of sliding-window history more than the connector's lookup checks, as vLLM's MTP
+* **dp0, CPU engine** (``CPUOffloadingSpec``, two full-attention groups): the allocator keeps
+  one chunk of sliding-window history more than the connector's lookup checks, as vLLM's MTP
   retained history did before 0.31 (#56701). This range disagreement is the one thing the demo
   injects (``allocator_retained_tokens``); loads then ask for chunks their lookup never reported.
-* **tiering engine** (``TieringOffloadingSpec``, 12-chunk CPU tier): its first requests follow
-  the pattern of vLLM #50014 (``incidents.promotion_evicts_hit``); a sliding-window chunk found
-  only in the secondary tier is promoted inside the lookup pass and its write evicts a
-  full-attention chunk the same pass counted as a hit. Nothing is injected.
+* **dp1, the production configuration** (``TieringOffloadingSpec`` with vLLM's real
+  ``FileSystemTierManager`` on files under the demo's directory, a Gemma-style model of six KV
+  groups, MTP retained history): its first requests follow ``incidents.promotion_after_deferral``.
+  On vLLM 0.30 the connector ignores the retained history (#56701, for real): a
+  ``coverage_mismatch``. From 0.31 this configuration did not fail in our search; the demo
+  says so and shows what kvobs counted instead. Nothing is injected.
+* **dp2, vLLM #50014 with the fs tier** (one full-attention and one sliding-window group, a
+  12-chunk CPU tier): ``incidents.promotion_evicts_hit``; a sliding-window chunk found only in
+  the fs tier is promoted inside the lookup pass and its write evicts a full-attention chunk
+  the same pass counted as a hit (fails on 0.31 to 0.33). Nothing is injected.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from typing import Any
 from vllm.v1.request import Request
 
 from kvobs.demo.driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
-from kvobs.demo.incidents import DOCUMENT_TOKENS, promotion_evicts_hit
+from kvobs.demo.incidents import (
+    DOCUMENT_TOKENS,
+    FILLER_TOKENS,
+    MTP_RETAINED_TOKENS,
+    fs_tier,
+    promotion_after_deferral,
+    promotion_evicts_hit,
+)
 from kvobs.vllm.manager import ObservedOffloadingManager
 
 MAX_PROMPT_TOKENS = 512
@@ -35,24 +48,43 @@ MAX_PROMPT_TOKENS = 512
 
 @dataclass(frozen=True)
 class EngineSetup:
-    """One demo engine: its spec and shape."""
+    """One demo engine: its spec and shape, and the request pattern its traffic starts with."""
 
     spec: str
     engine: str
     num_full_groups: int
     num_cpu_chunks: int
+    num_sliding_groups: int = 1
+    extra_retained_tokens: int = 0
+    """vLLM's own ``SlidingWindowSpec.extra_retained_tokens`` (MTP retained history)."""
     allocator_retained_tokens: int = 0
-    replay_incident: bool = False
+    """Injected: sliding-window history the simulated allocator keeps beyond what the connector knows."""
+    fs_tier: bool = False
+    incident: str = ""
+    """``promotion_evicts_hit`` or ``promotion_after_deferral`` (kvobs/demo/incidents.py), or none."""
+    fails_from: tuple[int, int] = (0, 0)
+    fails_until: tuple[int, int] = (99, 0)
+    """The releases (major, minor) on which the incident fails (found by search; docs/vllm.md)."""
 
     def describe(self) -> str:
-        groups = f"{self.num_full_groups} full-attention group{'s' * (self.num_full_groups > 1)} + 1 sliding-window"
-        return f"{self.spec}, hybrid model ({groups}), CPU tier of {self.num_cpu_chunks} chunks"
+        full = f"{self.num_full_groups} full-attention group{'s' * (self.num_full_groups > 1)}"
+        sliding = f"{self.num_sliding_groups} sliding-window"
+        if self.extra_retained_tokens:
+            sliding += f" with {self.extra_retained_tokens} tokens of MTP retained history"
+        tier = " + vLLM's FileSystemTierManager" if self.fs_tier else ""
+        return f"{self.spec}{tier}, hybrid model ({full} + {sliding}), CPU tier of {self.num_cpu_chunks} chunks"
+
+    def incident_fails_on(self, release: tuple[int, int]) -> bool:
+        return bool(self.incident) and self.fails_from <= release <= self.fails_until
 
 
 CPU_ENGINE = EngineSetup("CPUOffloadingSpec", "dp0", num_full_groups=2, num_cpu_chunks=48,
                          allocator_retained_tokens=BLOCK_SIZE)
-TIERING_ENGINE = EngineSetup("TieringOffloadingSpec", "dp1", num_full_groups=1, num_cpu_chunks=12,
-                             replay_incident=True)
+PRODUCTION_ENGINE = EngineSetup("TieringOffloadingSpec", "dp1", num_full_groups=1, num_sliding_groups=5,
+                                num_cpu_chunks=40, extra_retained_tokens=MTP_RETAINED_TOKENS, fs_tier=True,
+                                incident="promotion_after_deferral", fails_until=(0, 30))
+INCIDENT_ENGINE = EngineSetup("TieringOffloadingSpec", "dp2", num_full_groups=1, num_cpu_chunks=12, fs_tier=True,
+                              incident="promotion_evicts_hit", fails_from=(0, 31))
 
 
 @dataclass(frozen=True)
@@ -80,16 +112,21 @@ class EngineRun:
     evicted: dict[str, int] = field(default_factory=dict)
     near_misses: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    removals_by_path: dict[str, int] = field(default_factory=dict)
+    """Removal batches by the manager call they happened in (those the history still details)."""
+    incident_failed: bool = False
 
 
-def extra_config(spec: str, directory: str, engine: str) -> dict[str, Any]:
+def extra_config(setup: EngineSetup, directory: str) -> dict[str, Any]:
     """``kv_connector_extra_config`` as a user passes it to ``vllm serve`` (see README)."""
     extra: dict[str, Any] = {
         "spec_name": "ObservedOffloadingSpec",
         "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": spec, "dir": directory, "engine": engine},
+        "kvobs": {"inner_spec": setup.spec, "dir": directory, "engine": setup.engine},
     }
-    if spec == "TieringOffloadingSpec":
+    if setup.fs_tier:
+        extra.update(fs_tier(f"{directory}/fs-tier-{setup.engine}"))
+    elif setup.spec == "TieringOffloadingSpec":
         extra.update(secondary_tiers=[{"type": "example"}], tier_poll_interval_s=0)
     return extra
 
@@ -149,8 +186,9 @@ def run_engine(
     """Serve the workload on one engine; every failed load goes to ``on_failure`` (vLLM would die)."""
     started = time.monotonic()
     scheduler, _spec, kv_cache_config = build_scheduler(
-        extra_config(setup.spec, directory, setup.engine), hybrid=True,
-        num_full_groups=setup.num_full_groups, num_cpu_chunks=setup.num_cpu_chunks,
+        extra_config(setup, directory), hybrid=True, num_full_groups=setup.num_full_groups,
+        num_sliding_groups=setup.num_sliding_groups, extra_retained_tokens=setup.extra_retained_tokens,
+        num_cpu_chunks=setup.num_cpu_chunks,
     )
     manager = scheduler.manager
     assert isinstance(manager, ObservedOffloadingManager)
@@ -174,8 +212,14 @@ def run_engine(
         return run
 
     try:
-        if setup.replay_incident:
-            promotion_evicts_hit(driver, _tokens(rng, DOCUMENT_TOKENS), _tokens(rng, 32), f"{setup.engine}-incident-")
+        failed_before = len(driver.failed_req_ids)
+        name = f"{setup.engine}-incident-"
+        if setup.incident == "promotion_evicts_hit":
+            promotion_evicts_hit(driver, _tokens(rng, DOCUMENT_TOKENS), _tokens(rng, 32), name)
+        elif setup.incident == "promotion_after_deferral":
+            fillers = [_tokens(rng, FILLER_TOKENS) for _ in range(4)]
+            promotion_after_deferral(driver, _tokens(rng, DOCUMENT_TOKENS), fillers, name)
+        run.incident_failed = len(driver.failed_req_ids) > failed_before
         while more() or driver.running or driver.pending_job_ids:
             new = [traffic.next_request() for _ in range(rng.randint(0, workload.max_new_per_step)) if more()]
             for request in new:
@@ -197,6 +241,11 @@ def run_engine(
         driver.step()
     finally:
         snapshot()
+        history = manager.observer.history
+        for serial in range(history.next_serial):
+            removal = history.removal_at(serial)
+            if removal is not None:
+                run.removals_by_path[removal.path] = run.removals_by_path.get(removal.path, 0) + 1
         scheduler.shutdown()
     on_progress(run)
     return run

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from services import ROOT, OtlpReceiver, free_port, http_get
+from vllm_env import VLLM
 
 
 def _run_demo(
@@ -44,29 +45,39 @@ def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Pat
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert f"traces:   OTLP to {receiver.endpoint}" in out
-    # Both engines ran through the connector scheduler with their declared shapes.
+    # The engines ran through the connector scheduler with their declared shapes.
     assert "[dp0] CPUOffloadingSpec, hybrid model (2 full-attention groups + 1 sliding-window)" in out
-    assert "[dp1] TieringOffloadingSpec, hybrid model (1 full-attention group + 1 sliding-window)" in out
+    assert ("[dp1] TieringOffloadingSpec + vLLM's FileSystemTierManager, hybrid model (1 full-attention group + "
+            "5 sliding-window with 16 tokens of MTP retained history)") in out
+    assert "[dp2] TieringOffloadingSpec + vLLM's FileSystemTierManager, hybrid model (1 full-attention group" in out
+    assert list((directory / "fs-tier-dp1").rglob("*.bin"))  # the fs tier wrote real files
     flat = out.replace("\n    ", " ")  # undo the demo's wrapping of messages
     # Coverage mismatch on the CPU engine: vLLM's text first, then kvobs's explanation.
     assert re.search(r"AssertionError: Chunk b.* not found in cache \(group=2, req_id='req-dp0-\d+'\)", flat)
     assert "cause: coverage_mismatch" in flat
-    # The promotion inside lookup() evicting a counted hit, on the tiering engine (vLLM #50014).
-    assert re.search(r"req_id='dp1-incident-c'\)\. 1 of 7 keys in this load are missing", flat), flat[-4000:]
-    assert "cause: evicted_after_lookup (lookup reported HIT" in flat and "path=lookup" in flat
+    if VLLM >= (0, 31):  # the production engine's pattern fails on 0.30 only: the demo says so
+        assert "the first requests' pattern does not fail on vLLM" in flat and "(it does on 0.30)" in flat
+    else:
+        assert re.search(r"req_id='dp1-incident-c'\)\. 5 of 20 keys in this load are missing", flat), flat[-4000:]
+    if VLLM >= (0, 31):  # #50014 with the fs tier: the promotion inside lookup() evicts a counted hit
+        assert re.search(r"req_id='dp2-incident-c'\)\. 1 of 7 keys in this load are missing", flat), flat[-4000:]
+        assert "cause: evicted_after_lookup (lookup reported HIT" in flat and "path=lookup" in flat
     # The summary: evictions, near misses and failures by cause, per engine, and the sidecar agrees.
     summary = out.split("\nsummary\n", 1)[1]
-    cpu, tiering = summary.split("  dp1 (TieringOffloadingSpec)")
+    cpu, production, incident = re.split(r"  dp[12] \(TieringOffloadingSpec\)", summary)
     assert re.search(r"evicted chunks: capacity [1-9]\d*", cpu) and "coverage_mismatch" in cpu
-    assert re.search(r"near misses \(hits evicted before their load\): capacity [1-9]", tiering)
-    assert "failed loads by cause: evicted_after_lookup" in tiering
+    assert re.search(r"removal batches by call: .*lookup [1-9]", production)  # promotions inside lookup()
+    if VLLM >= (0, 31):
+        assert re.search(r"near misses \(hits evicted before their load\): capacity [1-9]", incident)
+        assert "failed loads by cause: evicted_after_lookup" in incident
     assert "the sidecar agrees" in summary, summary
     # Failure reports on disk, one per failed load, with the causes printed.
     failures = int(re.search(r"(\d+) failed loads, ", summary).group(1))  # type: ignore[union-attr]
     reports = [json.loads(p.read_text()) for p in (directory / "failures").glob("*.json")]
     assert len(reports) == failures >= 2
-    assert {"coverage_mismatch", "evicted_after_lookup"} <= {r["cause"] for r in reports}
-    assert {r["engine"] for r in reports} == {"dp0", "dp1"}
+    causes = {"coverage_mismatch", "evicted_after_lookup"} if VLLM >= (0, 31) else {"coverage_mismatch"}
+    assert causes <= {r["cause"] for r in reports}
+    assert {r["engine"] for r in reports} >= {"dp0", "dp2" if VLLM >= (0, 31) else "dp1"}
     # One span per failed load reached the OTLP endpoint, each before its exception left kvobs.
     spans = receiver.spans()
     assert len(spans) == failures and {s.name for s in spans} == {"kv_offload.prepare_load"}
@@ -107,8 +118,8 @@ def _journaled_totals(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
 def test_demo_without_tiering_runs_only_the_cpu_engine(tmp_path: Path) -> None:
     run, directory = _run_demo(tmp_path, "--no-tiering", "--seed", "3")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "[dp0]" in run.stdout and "[dp1]" not in run.stdout
-    assert list((directory / "journal").glob("dp0-*.jsonl")) and not list((directory / "journal").glob("dp1-*"))
+    assert "[dp0]" in run.stdout and "[dp1]" not in run.stdout and "[dp2]" not in run.stdout
+    assert list((directory / "journal").glob("dp0-*.jsonl")) and not list((directory / "journal").glob("dp[12]-*"))
 
 
 def test_demo_keep_serving_leaves_metrics_for_prometheus(tmp_path: Path) -> None:
