@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 MIN_HISTORY_SIZE = 1_024
 MAX_HISTORY_SIZE = 100_000_000
+ENGINE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+"""An ``engine`` label kvobs accepts: it names the engine's journal files, so it must be a safe file name."""
 
 
 class OptionError(ValueError):
@@ -58,6 +61,11 @@ def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Op
                 raise OptionError(f"{source} {name!r} must be in [{low}, {high}], got {value}")
         elif name in _STRINGS and value is not None and (not isinstance(value, str) or not value):
             raise OptionError(f"{source} {name!r} must be a non-empty string, got {value!r}")
+        elif name == "engine" and value is not None and not ENGINE_LABEL.fullmatch(value):
+            raise OptionError(
+                f"{source} 'engine' must be 1-64 letters, digits, '_', '.', ':' or '-' and start with a letter or "
+                f"digit (it names the journal files), got {value!r}"
+            )
         elif name == "tracer_provider" and value is not None and not callable(getattr(value, "get_tracer", None)):
             # Else a JSON string here would only surface at the first failed load, as a kvobs fault.
             raise OptionError(

@@ -100,6 +100,25 @@ def test_evicted_after_lookup_by_a_tiering_promotion_inside_lookup(managers: lis
     assert m.observer.near_misses["capacity"] == 1
 
 
+def test_the_cause_is_the_first_removal_after_the_lookup_not_the_last(managers: list) -> None:
+    """Evicted after req-c's lookup, stored again by req-d, whose store then fails: req-c's chunk
+    was lost to the capacity eviction (what its near miss says too); the failed store came later."""
+    m = observed(managers, cpu_extra(2))
+    c, b, d = ctx(m, "req-c", {key(1): 16}), ctx(m, "req-b"), ctx(m, "req-d")
+    store(m, [key(1), key(2)], c)
+    assert m.lookup(key(1), c) is LookupResult.HIT
+    store(m, [key(3), key(4)], b)  # capacity eviction of key(1)
+    m.complete_load([], b)
+    store(m, [key(1)], d, complete=False)  # req-d stores key(1) again...
+    m.complete_store([key(1)], d, False)  # ...and that store fails: removed again
+    match = failed_load(m, [key(1)], c)
+    assert match["cause"] == "evicted_after_lookup", match["evidence"]
+    assert "capacity removal" in match["evidence"] and "req_id='req-b'" in match["evidence"]
+    assert "removed again since: store_failed" in match["evidence"] and "req_id='req-d'" in match["evidence"]
+    assert +m.observer.near_misses == {"capacity": 1}
+    assert +m.observer.failures == {"evicted_after_lookup": 1}
+
+
 def test_store_in_flight(managers: list) -> None:
     m = observed(managers, cpu_extra(4))
     a = ctx(m, "req-a")

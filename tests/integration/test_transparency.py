@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from twin_driver import Twin, apply, random_op, same
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 import kvobs
@@ -110,3 +110,88 @@ def test_a_manager_kvobs_cannot_hook_is_still_explained_for_the_named_key() -> N
     m.lookup(key(1), a)
     with pytest.raises(AssertionError, match=r"1 of 2 keys in this load are missing.*cause: unknown"):
         m.prepare_load([key(1), key(2)], a)
+
+
+def test_a_method_assigned_through_the_wrapper_is_the_one_called_and_kvobs_keeps_recording() -> None:
+    """How tracing and profiling code instruments ``connector_scheduler.manager``: wrap a method,
+    call through, restore it. Same as on the bare manager; the original still records."""
+    m = kvobs.observe(create_manager(cpu_extra(2)))
+    try:
+        calls: list[str] = []
+        original = m.prepare_store
+
+        def traced(keys: Any, req_context: Any) -> Any:
+            calls.append("prepare_store")
+            return original(keys, req_context)
+
+        m.prepare_store = traced
+        assert m.prepare_store is traced
+        a, b = ReqContext("req-a"), ReqContext("req-b")
+        m.prepare_store([key(1), key(2)], a)
+        m.complete_store([key(1), key(2)], a)
+        m.prepare_store([key(3), key(4)], b)  # evicts: recorded through the original's tap
+        assert calls == ["prepare_store", "prepare_store"] and m.observer.evicted["capacity"] == 2
+        stats = []
+        m.get_stats = lambda: stats.append(1) or "mine"
+        assert m.get_stats() == "mine" and stats == [1]
+        del m.prepare_store, m.get_stats  # undo the monkeypatch: kvobs's own come back
+        assert m.prepare_store is original and m.get_stats() != "mine"
+        with pytest.raises(AttributeError):
+            del m.prepare_store  # nothing set on the instance any more, as on the bare manager
+        m.complete_store([key(3), key(4)], b)
+        m.prepare_store([key(5)], a)
+        assert m.observer.evicted["capacity"] == 3
+        m.custom_flag = 1  # data attributes still reach the inner manager, both ways
+        assert m.inner.custom_flag == 1
+        del m.custom_flag
+        assert not hasattr(m.inner, "custom_flag")
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
+def test_copies_behave_as_copies_of_the_bare_manager(how: str) -> None:
+    import copy
+    import pickle
+
+    bare, m = create_manager(cpu_extra(2)), kvobs.observe(create_manager(cpu_extra(2)))
+    make = {"deepcopy": copy.deepcopy, "pickle": lambda x: pickle.loads(pickle.dumps(x)), "copy": copy.copy}[how]
+    try:
+        a, b = ReqContext("req-a"), ReqContext("req-b")
+        for manager in (bare, m):
+            manager.prepare_store([key(1), key(2)], a)
+            manager.complete_store([key(1), key(2)], a)
+        bare_twin, twin = make(bare), make(m)
+        assert type(twin) is type(m)
+        outcomes = []
+        for manager in (bare_twin, twin):
+            assert manager.lookup(key(1), b) is LookupResult.HIT
+            manager.prepare_store([key(3), key(4)], b)
+            with pytest.raises(AssertionError) as failed:
+                manager.prepare_load([key(1)], b)
+            outcomes.append(str(failed.value))
+        assert outcomes[1].startswith(outcomes[0])  # the same failure, explained by the copy
+        assert "cause: evicted_after_lookup" in outcomes[1]
+        if how == "copy":  # a shallow copy shares the cache policy, as the bare manager's does
+            assert twin.observer is m.observer
+        else:  # an independent manager: the original's cache and evidence are untouched
+            assert twin.observer is not m.observer and m.observer.evicted["capacity"] == 0
+            assert m.lookup(key(1), b) is LookupResult.HIT
+    finally:
+        m.shutdown()
+
+
+def test_copying_a_tiering_manager_fails_as_the_bare_one_does() -> None:
+    import copy
+
+    bare, m = create_manager(tiering_extra(2)), kvobs.observe(create_manager(tiering_extra(2)))
+    try:
+        errors = []
+        for manager in (bare, m):
+            with pytest.raises(TypeError) as info:
+                copy.deepcopy(manager)
+            errors.append(str(info.value))
+        assert errors[0] == errors[1]
+    finally:
+        bare.shutdown()
+        m.shutdown()

@@ -25,6 +25,10 @@ def test_defaults_and_env_dir(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"max_verdicts": 0}, "'max_verdicts' must be in"),
         ({"dir": 3}, "'dir' must be a non-empty string"),
         ({"engine": ""}, "'engine' must be a non-empty string"),
+        ({"engine": "node-a/dp0"}, "'engine' must be 1-64 letters"),  # a path: the journal written elsewhere
+        ({"engine": "../dp0"}, "'engine' must be 1-64 letters"),
+        ({"engine": ".hidden"}, "'engine' must be 1-64 letters"),
+        ({"engine": "x" * 65}, "'engine' must be 1-64 letters"),
     ],
 )
 def test_bad_options_name_the_option(raw: dict[str, object], pattern: str) -> None:
@@ -40,3 +44,8 @@ def test_not_a_mapping() -> None:
 def test_options_are_frozen() -> None:
     with pytest.raises(AttributeError):
         Options().history_size = 3  # type: ignore[misc]
+
+
+def test_engine_labels_as_vllm_and_operators_write_them_are_accepted() -> None:
+    for label in ("0", "dp3", "node-a.dp0", "pod:7", "llama_70b-2"):
+        assert parse_options({"engine": label}).engine == label
