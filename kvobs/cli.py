@@ -46,8 +46,8 @@ def _explain(args: argparse.Namespace) -> int:
         add_directory_evidence,
         add_sidecar_evidence,
         as_json,
-        find_assertions,
         render,
+        scan_log,
     )
 
     sources = args.logs or ["-"]
@@ -58,24 +58,26 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         for source in sources:
             if source == "-":
-                entries, dropped = find_assertions(sys.stdin.buffer)
+                scan = scan_log(sys.stdin.buffer)
                 name = "standard input"
             else:
                 try:
                     with open(source, "rb") as stream:
-                        entries, dropped = find_assertions(stream)
+                        scan = scan_log(stream)
                 except OSError as exc:
                     raise ExplainError(f"cannot read {source}: {exc.strerror or exc}") from exc
                 name = source
+            entries = scan.assertions
             if args.dir:
                 add_directory_evidence(entries, Path(args.dir))
             if args.sidecar:
                 add_sidecar_evidence(entries, args.sidecar)
             found_any = found_any or bool(entries)
             if args.json:
-                results.append({"source": name, "assertions": as_json(entries), "not_shown": dropped})
+                results.append({"source": name, "assertions": as_json(entries), "not_shown": scan.not_shown,
+                                "damage": scan.damage})
             else:
-                print(render(entries, dropped, bool(args.dir or args.sidecar), name), end="")
+                print(render(entries, scan.not_shown, bool(args.dir or args.sidecar), name, scan.damage), end="")
     except ExplainError as exc:
         print(f"kvobs explain: {exc}", file=sys.stderr)
         return 2

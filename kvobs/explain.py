@@ -7,22 +7,31 @@ it, and — given a kvobs directory or a sidecar URL — adds what kvobs recorde
 its failure report and its last removals. Without kvobs data it says what the log alone tells
 and what to enable next time.
 
+Logs are read as they are shipped: plain text (LF or CRLF), gzip-compressed (rotated logs), and
+any JSON wrapping — vLLM's JSON log formatter, Docker's json-file lines, Loki or Elasticsearch
+exports — whose string values are decoded (nested up to ``MAX_JSON_DEPTH``) before the assertion
+is looked for, so the key reads the same whatever the escaping.
+
 Pure text processing and file reading; never imports vLLM. Any input is accepted: undecodable
-bytes are replaced, over-long lines cut, and a key that cannot be parsed is shown raw.
+bytes are replaced, over-long lines cut, a damaged gzip stream ends the input with a note, and a
+key that cannot be parsed is shown raw.
 """
 
 from __future__ import annotations
 
 import ast
+import gzip
+import io
 import json
 import re
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, cast
 
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
@@ -41,7 +50,12 @@ MAX_ASSERTIONS = 1_000
 """Distinct assertions reported per run; further ones are counted."""
 MAX_JOURNAL_BYTES = 2 << 30
 """Journal bytes scanned for removals (kvobs keeps at most 64 MiB per engine process)."""
+MAX_DROPPED_TRACKED = 1_000_000
+"""Distinct assertions remembered beyond MAX_ASSERTIONS, so a repeat is not counted twice."""
+MAX_JSON_DEPTH = 3
+"""JSON inside JSON that is decoded (Docker's json-file line around vLLM's JSON formatter is 2)."""
 REMOVALS_SHOWN = 3
+GZIP_MAGIC = b"\x1f\x8b"
 MAX_PLAUSIBLE_GROUP = 1024
 """A key whose last 4 bytes read as a larger group index is a bare block hash (no group suffix)."""
 
@@ -53,6 +67,8 @@ ASSERTION = re.compile(
 )
 KVOBS_SUFFIX = re.compile(rf" \(group=(?P<group>-?\d+|None), req_id=(?P<req>{_STR_LITERAL}|None)\)")
 KVOBS_CAUSE = re.compile(r"cause: (?P<cause>[a-z_]+) \((?P<evidence>[^\n]*?)\)(?:;|$| causes per key)")
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+WORDING_HINTS = ("not found in", "not ready for reading")
 ENGINE = re.compile(r"EngineCore(?:_DP|_)?(?P<dp>\d+)?\b")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_TIME = re.compile(r"\b(?P<time>\d\d-\d\d \d\d:\d\d:\d\d)\b")
@@ -116,18 +132,53 @@ class LoggedAssertion:
 # -- reading logs ---------------------------------------------------------------------------
 
 
-def _lines(stream: BinaryIO) -> Iterator[str]:
-    """Decoded lines, each at most MAX_LINE_BYTES (the rest of a longer line is skipped)."""
-    while True:
-        raw = stream.readline(MAX_LINE_BYTES)
-        if not raw:
-            return
-        if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while True:  # skip the remainder of an over-long line
-                rest = stream.readline(MAX_LINE_BYTES)
-                if not rest or rest.endswith(b"\n"):
-                    break
-        yield ANSI.sub("", raw.decode("utf-8", errors="replace"))
+class _LineReader(Protocol):
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def _uncompressed(stream: BinaryIO) -> _LineReader:
+    """The stream itself, or its gzip decompression when it starts with gzip's magic bytes."""
+    reader: Any = stream if hasattr(stream, "peek") else io.BufferedReader(cast(Any, stream))
+    if reader.peek(len(GZIP_MAGIC))[: len(GZIP_MAGIC)] == GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=reader, mode="rb")
+    return cast(_LineReader, reader)
+
+
+def _lines(stream: _LineReader, damage: list[str]) -> Iterator[str]:
+    """Decoded lines without their line ending (LF or CRLF), each at most MAX_LINE_BYTES (the rest
+    of a longer line is skipped). A damaged gzip stream ends the input; ``damage`` says why."""
+    try:
+        while True:
+            raw = stream.readline(MAX_LINE_BYTES)
+            if not raw:
+                return
+            if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while True:  # skip the remainder of an over-long line
+                    rest = stream.readline(MAX_LINE_BYTES)
+                    if not rest or rest.endswith(b"\n"):
+                        break
+            yield ANSI.sub("", raw.decode("utf-8", errors="replace")).rstrip("\r\n")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # a cut or corrupt gzip: keep what was read
+        damage.append(f"compressed input damaged ({exc or type(exc).__name__}); read up to there")
+
+
+def _texts(line: str, depth: int = 0) -> list[str]:
+    """The texts of a line to search: the line itself, or — when it is JSON (a formatter, a log
+    shipper, an export) — its decoded string values that hold an assertion, one per line of each."""
+    if depth >= MAX_JSON_DEPTH or '"' not in line or not any(hint in line for hint in WORDING_HINTS):
+        return [line]
+    decoded: list[str] = []
+    for token in JSON_STRING.finditer(line):
+        if not any(hint in token[0] for hint in WORDING_HINTS):
+            continue
+        try:
+            value = json.loads(token[0])
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, str):  # decoded: the raw text would misread escaped keys
+            for part in value.splitlines():
+                decoded.extend(_texts(ANSI.sub("", part), depth + 1))
+    return decoded if any(ASSERTION.search(text) for text in decoded) else [line]
 
 
 def _parse_key(text: str) -> bytes | None:
@@ -150,38 +201,61 @@ def _parse_str(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def find_assertions(stream: BinaryIO) -> tuple[list[LoggedAssertion], int]:
-    """Distinct offload assertions in a log (by wording and key), and how many were not kept."""
+@dataclass
+class LogScan:
+    """What one log holds: its distinct assertions, how many more were not kept, and damage."""
+
+    assertions: list[LoggedAssertion]
+    not_shown: int
+    damage: list[str]
+
+
+def scan_log(stream: BinaryIO) -> LogScan:
+    """Distinct offload assertions in a log (by wording and key), however the log was shipped."""
     found: dict[tuple[str, str, str], LoggedAssertion] = {}
-    dropped = 0
-    for number, line in enumerate(_lines(stream), start=1):
-        for match in ASSERTION.finditer(line):
-            state = "missing" if match["what"].startswith("not found") else "not_ready"
-            ident = (match["noun"], match["key"], state)
-            known = found.get(ident)
-            if known is not None:
-                known.occurrences += 1
-                _read_kvobs_suffix(known, line, match.end())
-                continue
-            if len(found) >= MAX_ASSERTIONS:
-                dropped += 1
-                continue
-            engine = ENGINE.search(line)
-            when = LOG_TIME.search(line)
-            entry = LoggedAssertion(
-                line=number,
-                text=line.strip()[:2000],
-                noun=match["noun"],
-                state=state,
-                what=match["what"],
-                key_text=match["key"],
-                key=_parse_key(match["key"]),
-                engine=None if engine is None else (f"dp{engine['dp']}" if engine["dp"] else "EngineCore"),
-                log_time=None if when is None else when["time"],
-            )
-            _read_kvobs_suffix(entry, line, match.end())
-            found[ident] = entry
-    return list(found.values()), dropped
+    dropped: set[tuple[str, str, str]] = set()
+    untracked = 0
+    damage: list[str] = []
+    for number, line in enumerate(_lines(_uncompressed(stream), damage), start=1):
+        for text in _texts(line):
+            for match in ASSERTION.finditer(text):
+                state = "missing" if match["what"].startswith("not found") else "not_ready"
+                ident = (match["noun"], match["key"], state)
+                known = found.get(ident)
+                if known is not None:
+                    known.occurrences += 1
+                    _read_kvobs_suffix(known, text, match.end())
+                    continue
+                if len(found) >= MAX_ASSERTIONS:
+                    if ident in dropped:
+                        continue
+                    if len(dropped) < MAX_DROPPED_TRACKED:
+                        dropped.add(ident)
+                    else:
+                        untracked += 1
+                    continue
+                engine = ENGINE.search(text) or ENGINE.search(line)
+                when = LOG_TIME.search(text) or LOG_TIME.search(line)
+                entry = LoggedAssertion(
+                    line=number,
+                    text=text.strip()[:2000],
+                    noun=match["noun"],
+                    state=state,
+                    what=match["what"],
+                    key_text=match["key"],
+                    key=_parse_key(match["key"]),
+                    engine=None if engine is None else (f"dp{engine['dp']}" if engine["dp"] else "EngineCore"),
+                    log_time=None if when is None else when["time"],
+                )
+                _read_kvobs_suffix(entry, text, match.end())
+                found[ident] = entry
+    return LogScan(list(found.values()), len(dropped) + untracked, damage)
+
+
+def find_assertions(stream: BinaryIO) -> tuple[list[LoggedAssertion], int]:
+    """Distinct offload assertions in a log, and how many distinct ones were not kept."""
+    scan = scan_log(stream)
+    return scan.assertions, scan.not_shown
 
 
 def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
@@ -348,11 +422,13 @@ def _wording_line(entry: LoggedAssertion) -> str:
             "prepare_load() pinned it")
 
 
-def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source: str) -> str:
+def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source: str,
+           damage: Iterable[str] = ()) -> str:
     """The human-readable explanation of every assertion found."""
+    notes = "".join(f"note: {source}: {problem}\n" for problem in damage)
     if not entries:
-        return (f"no offload assertion found in {source} (looked for 'Block|Chunk <key> not found in cache' and "
-                "'... is not ready for reading')\n")
+        return notes + (f"no offload assertion found in {source} (looked for 'Block|Chunk <key> not found in "
+                        "cache' and '... is not ready for reading')\n")
     out: list[str] = [f"{len(entries)} offload assertion{'s' * (len(entries) > 1)} in {source}"]
     for number, entry in enumerate(entries, start=1):
         where = [f"line {entry.line}"]
@@ -397,7 +473,7 @@ def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source
         out.append(f"\n{dropped} more distinct assertions not shown (at most {MAX_ASSERTIONS})")
     if not have_data and not any(e.kvobs_cause for e in entries):
         out.append(f"\n{ENABLE_HINT}")
-    return "\n".join(out) + "\n"
+    return notes + "\n".join(out) + "\n"
 
 
 def as_json(entries: Iterable[LoggedAssertion]) -> list[dict[str, Any]]:

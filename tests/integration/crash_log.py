@@ -5,10 +5,13 @@ AssertionError it raises, vLLM's logging configuration and process-name decorati
 ``logger.exception`` call EngineCore's busy loop makes (vllm/v1/engine/core.py). Output: stdout.
 
 Usage: python crash_log.py bare|kvobs missing|not_ready DP [KVOBS_DIR]
+Environment: CRASH_LOG_FORMATTER=json for vLLM's JSON log formatter (``--logging-config.formatter
+json``); CRASH_LOG_QUOTE_KEY=1 for a victim key whose repr uses double quotes (it holds a ``'``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,21 +30,22 @@ def main() -> None:
     if mode == "kvobs":
         extra = observed_extra(extra, dir=sys.argv[4], engine=f"dp{dp}")
     manager = create_manager(extra)
-    configure_logging(LoggingConfig())  # as EngineCore.run_engine_core does
+    configure_logging(LoggingConfig(formatter=os.environ.get("CRASH_LOG_FORMATTER", "text")))  # as EngineCore does
     decorate_logs(f"EngineCore_DP{dp}")
     logger = init_logger("vllm.v1.engine.core")
     writer, victim = ReqContext("req-writer"), ReqContext("req-victim")
+    first = key(int.from_bytes(b"'" * 32, "big")) if os.environ.get("CRASH_LOG_QUOTE_KEY") else key(1)
     for context in (writer, victim):
         manager.on_new_request(context)
-    victim.set_offload_key_position(key(1), 48)
-    manager.prepare_store([key(1), key(2)], writer)
+    victim.set_offload_key_position(first, 48)
+    manager.prepare_store([first, key(2)], writer)
     if state == "missing":
-        manager.complete_store([key(1), key(2)], writer)
-        assert manager.lookup(key(1), victim).name == "HIT"
-        manager.prepare_store([key(3), key(4)], writer)  # evicts key(1) after the victim's lookup
+        manager.complete_store([first, key(2)], writer)
+        assert manager.lookup(first, victim).name == "HIT"
+        manager.prepare_store([key(3), key(4)], writer)  # evicts first after the victim's lookup
         manager.complete_store([key(3), key(4)], writer)
     try:
-        manager.prepare_load([key(1)], victim)
+        manager.prepare_load([first], victim)
     except AssertionError:
         logger.exception("EngineCore encountered a fatal error.")
     manager.shutdown()

@@ -9,12 +9,15 @@ identical: ``f"Block {block_hash!r} not found in cache"``).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -165,3 +168,120 @@ def test_damaged_log_with_kvobs_data_never_tracebacks(logs: dict[str, Path], jun
         found = [] if out.getvalue().startswith("no offload assertion") else [out.getvalue()]
     if cut >= vllm_end and not junk[:1].isalnum():
         assert found and status == 0, out.getvalue()[:2000]
+
+
+# -- logs as they are shipped ----------------------------------------------------------------
+
+
+def docker_json_file(text: bytes) -> bytes:
+    """Docker's json-file log driver: one JSON object per line, the line (with its newline) in ``log``.
+    Written here from the real log: there is no Docker engine on this machine."""
+    return b"".join(json.dumps({"log": line.decode(errors="replace") + "\n", "stream": "stderr",
+                                "time": "2026-11-30T10:00:00.000000000Z"}).encode() + b"\n"
+                    for line in text.splitlines())
+
+
+def loki_jsonl(text: bytes) -> bytes:
+    """``logcli query --output=jsonl``: labels, timestamp and the line, one object per line."""
+    return b"".join(json.dumps({"labels": {"app": "vllm", "pod": "vllm-0"}, "line": line.decode(errors="replace"),
+                                "timestamp": "2026-11-30T10:00:00Z"}).encode() + b"\n"
+                    for line in text.splitlines())
+
+
+def elasticsearch_export(text: bytes) -> bytes:
+    """A search response saved as pretty-printed JSON: one document per log line, ``_source.message``."""
+    hits = [{"_index": "logs-vllm", "_id": str(n), "_source": {"message": line.decode(errors="replace"),
+                                                                 "kubernetes": {"container": "vllm"}}}
+            for n, line in enumerate(text.splitlines())]
+    return json.dumps({"took": 3, "hits": {"total": {"value": len(hits)}, "hits": hits}}, indent=2).encode()
+
+
+SHIPPED: dict[str, Any] = {
+    "crlf": lambda text: text.replace(b"\n", b"\r\n"),
+    "gzip": gzip.compress,
+    "docker json-file": docker_json_file,
+    "docker json-file, gzip": lambda text: gzip.compress(docker_json_file(text)),
+    "loki jsonl": loki_jsonl,
+    "elasticsearch export": elasticsearch_export,
+}
+SAME = ("key", "state", "wording", "vllm_message", "kvobs_cause", "kvobs_req_id", "report_causes", "removals")
+
+
+@pytest.fixture(scope="module")
+def quoted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """vLLM's JSON formatter, and a key whose repr uses double quotes, each with its own kvobs data."""
+    base = tmp_path_factory.mktemp("quoted")
+    made = {}
+    for name, env in {"text": {}, "json": {"CRASH_LOG_FORMATTER": "json"},
+                      "quote": {"CRASH_LOG_QUOTE_KEY": "1"}, "quote json": {"CRASH_LOG_QUOTE_KEY": "1",
+                                                                             "CRASH_LOG_FORMATTER": "json"}}.items():
+        directory = base / name.replace(" ", "-")
+        run = subprocess.run([sys.executable, str(HERE / "crash_log.py"), "kvobs", "missing", "0", str(directory)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | env)
+        assert run.returncode == 0 and "not found in cache" in run.stdout, run.stderr[-2000:]
+        made[name] = directory.with_suffix(".log")
+        made[name].write_text(run.stdout)
+    return made
+
+
+def explained(log: Path, directory: Path) -> list[dict[str, Any]]:
+    run = explain(str(log), "--dir", str(directory), "--json")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    [result] = json.loads(run.stdout)
+    return [{field: entry[field] for field in SAME} | {"removals": [(r["key"], r["engine"], r["reason"], r["path"],
+                                                                     r["req_id"]) for r in entry["removals"]]}
+            for entry in result["assertions"]]
+
+
+def test_vllms_json_formatter_reads_as_its_text_log(quoted: dict[str, Path]) -> None:
+    """vLLM's own ``--logging-config.formatter json`` (python-json-logger): the traceback is in the
+    JSON-escaped ``exc_info``; the keys, causes and matched records are those of the text log (each
+    run has its own kvobs directory: removals compare by key, engine, reason, path and request)."""
+    for text, as_json in (("text", "json"), ("quote", "quote json")):
+        want = explained(quoted[text], quoted[text].with_suffix(""))
+        assert len(want) == 1 and want[0]["kvobs_cause"] == "evicted_after_lookup" and want[0]["removals"]
+        assert b'"exc_info": "Traceback' in quoted[as_json].read_bytes()
+        assert explained(quoted[as_json], quoted[as_json].with_suffix("")) == want
+
+
+@pytest.mark.parametrize("log", ["text", "json", "quote", "quote json"])
+@pytest.mark.parametrize("shipping", SHIPPED)
+def test_logs_as_they_are_shipped_read_as_the_text_log(quoted: dict[str, Path], log: str, shipping: str,
+                                                       tmp_path: Path) -> None:
+    """CRLF, gzip, Docker's json-file, Loki and Elasticsearch exports, of the text log and of vLLM's
+    JSON formatter's, with keys whose repr uses single or double quotes: same keys, same causes
+    (kvobs's own, read from its message), same reports and removals."""
+    directory = quoted[log].with_suffix("")
+    want = explained(quoted[log], directory)
+    assert want and want[0]["kvobs_cause"] == "evicted_after_lookup"
+    shipped = tmp_path / "shipped.log"
+    shipped.write_bytes(SHIPPED[shipping](quoted[log].read_bytes()))
+    assert explained(shipped, directory) == want
+
+
+def test_an_assertion_logged_twice_is_one_assertion_not_shown(tmp_path: Path) -> None:
+    """vLLM logs the traceback from two processes: past the assertions shown, each distinct one
+    is counted once, however often it is logged."""
+    from kvobs.explain import MAX_ASSERTIONS
+
+    lines = [f"AssertionError: Chunk {n.to_bytes(36, 'big')!r} not found in cache" for n in range(MAX_ASSERTIONS + 3)]
+    log = tmp_path / "twice.log"
+    log.write_text("\n".join(lines + lines) + "\n")
+    run = explain(str(log), "--json")
+    [result] = json.loads(run.stdout)
+    assert len(result["assertions"]) == MAX_ASSERTIONS and result["not_shown"] == 3
+    assert {entry["occurrences"] for entry in result["assertions"]} == {2}
+    assert "3 more distinct assertions not shown" in explain(str(log)).stdout
+
+
+def test_a_cut_gzip_log_keeps_what_was_read_and_says_so(logs: dict[str, Path], tmp_path: Path) -> None:
+    """A rotated log copied while being compressed: the assertions before the cut are explained,
+    and the output says the input is damaged."""
+    text = logs["kvobs"].read_bytes()
+    packed = gzip.compress(text + b"x" * 200_000 + b"\n", compresslevel=1)
+    cut = tmp_path / "vllm.log.1.gz"
+    cut.write_bytes(packed[: len(packed) - 200])
+    run = explain(str(cut), "--dir", str(logs["dir"]))
+    assert run.returncode == 0, run.stderr
+    assert "cause evicted_after_lookup" in run.stdout and "compressed input damaged" in run.stdout
+    assert "Traceback" not in run.stderr

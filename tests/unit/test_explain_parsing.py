@@ -90,3 +90,18 @@ def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
     (removal,) = entry.removals
     assert (removal["req_id"], removal["reason"], removal["residency_s"]) == ("req-b", "capacity", 2.5)
     assert isinstance(render([entry], 0, True, "log"), str)
+
+
+def test_a_text_line_with_double_quotes_is_read_as_text() -> None:
+    """Quotes around part of a text line are not JSON to decode: the key is read from the text."""
+    key = b'\x00"' + b"\x01" * 30 + (1).to_bytes(4, "big")
+    line = f'ERROR "engine" said: AssertionError: Chunk {key!r} not found in cache; see "runbook"\n'
+    [entry] = _find(line.encode())
+    assert entry.key == key
+
+
+def test_json_inside_json_is_decoded_to_the_same_key() -> None:
+    """Docker's json-file around vLLM's JSON formatter: the key's escapes are undone twice."""
+    inner = json.dumps({"message": "fatal", "exc_info": f"Traceback ...\n{LINE}\n"})
+    [entry] = _find(json.dumps({"log": inner + "\n", "stream": "stderr"}).encode() + b"\r\n")
+    assert (entry.key, entry.engine) == (KEY, "dp2")
