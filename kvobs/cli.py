@@ -4,30 +4,82 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
+SERVE_ENV = {"dir": "KVOBS_DIR", "host": "KVOBS_HOST", "port": "KVOBS_PORT"}
+"""The environment variables ``kvobs serve`` takes its defaults from (a flag overrides each)."""
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9464
+
+
+class UsageError(Exception):
+    """A command line (or environment) that cannot run: printed as is, exit status 2."""
+
+
+def _port_number(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise ValueError(f"must be a port number in 1..65535, got {text!r}")
+    return value
+
+
+def _port_arg(text: str) -> int:
+    try:
+        return _port_number(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _serve_settings(args: argparse.Namespace) -> tuple[Path, str, int]:
+    """--dir, --host and --port, each from its flag, else its environment variable, else the default."""
+    env = {name: os.environ.get(var, "").strip() for name, var in SERVE_ENV.items()}
+    if args.dir is None and not env["dir"]:
+        raise UsageError("no kvobs directory: pass --dir or set KVOBS_DIR (the directory the engines write)")
+    directory = Path(args.dir if args.dir is not None else env["dir"])
+    host = args.host if args.host is not None else env["host"] or DEFAULT_HOST
+    if args.port is not None:
+        port = args.port
+    elif env["port"]:
+        try:
+            port = _port_number(env["port"])
+        except ValueError as exc:
+            raise UsageError(f"KVOBS_PORT {exc}") from None
+    else:
+        port = DEFAULT_PORT
+    return directory, host, port
+
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        directory, host, port = _serve_settings(args)
+    except UsageError as exc:
+        print(f"kvobs serve: {exc}", file=sys.stderr)
+        return 2
+    if not directory.is_dir():
+        origin = "--dir" if args.dir is not None else "KVOBS_DIR"
+        print(f"kvobs serve: {origin} {directory} does not exist or is not a directory (point it at the kvobs "
+              "directory the engines write, KVOBS_DIR on their side)", file=sys.stderr)
+        return 2
+
     from kvobs.sidecar.server import ListenError, serve
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        print(f"kvobs serve: --dir {directory} does not exist or is not a directory (point it at the KVOBS_DIR "
-              "the engines write)", file=sys.stderr)
-        return 2
-    print(f"kvobs serve: reading {args.dir}, serving http://{args.host}:{args.port}/metrics", flush=True)
+    print(f"kvobs serve: reading {directory}, serving http://{host}:{port}/metrics", flush=True)
     try:
-        serve(directory, args.host, args.port)
+        serve(directory, host, port)
     except KeyboardInterrupt:
         pass
     except ListenError as exc:
         print(f"kvobs serve: {exc.strerror}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"kvobs serve: cannot use --dir {directory}: {exc}", file=sys.stderr)
+        print(f"kvobs serve: cannot use {directory}: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -101,16 +153,28 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvobs import __version__
+
     root = argparse.ArgumentParser(prog="kvobs", description="Make vLLM's KV-cache offloading explain itself.")
+    root.add_argument("--version", action="version", version=f"kvobs {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the sidecar: Prometheus metrics and failure reports over HTTP")
-    serve.add_argument("--dir", required=True, help="the kvobs directory the engines write (KVOBS_DIR)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=9464, help="port (default 9464)")
+    serve = sub.add_parser(
+        "serve", help="run the sidecar: Prometheus metrics and failure reports over HTTP",
+        description="Run the sidecar: read the kvobs directory the engines write and serve /metrics, /healthz "
+                    "and /api/v1/failures. Each flag defaults to its environment variable "
+                    "(KVOBS_DIR, KVOBS_HOST, KVOBS_PORT); a flag overrides it.",
+    )
+    serve.add_argument("--dir", default=None,
+                       help="the kvobs directory the engines write (default: $KVOBS_DIR; required when that is "
+                            "unset; it must exist)")
+    serve.add_argument("--host", default=None,
+                       help=f"address to bind (default: $KVOBS_HOST, else {DEFAULT_HOST})")
+    serve.add_argument("--port", type=_port_arg, default=None,
+                       help=f"port to listen on (default: $KVOBS_PORT, else {DEFAULT_PORT})")
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="show kvobs explaining failed loads on vLLM's real offload manager (CPU)")
     demo.add_argument("--dir", default=None, help="kvobs directory (default: a new temporary one)")
-    demo.add_argument("--port", type=int, default=9464, help="sidecar port (default 9464)")
+    demo.add_argument("--port", type=_port_arg, default=DEFAULT_PORT, help=f"sidecar port (default {DEFAULT_PORT})")
     demo.add_argument("--requests", type=_positive_int, default=1000, help="requests per engine (default 1000)")
     demo.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
                       help="keep the traffic going at least this long per engine (default: until --requests)")

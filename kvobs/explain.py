@@ -244,7 +244,7 @@ def scan_log(stream: BinaryIO) -> LogScan:
                     what=match["what"],
                     key_text=match["key"],
                     key=_parse_key(match["key"]),
-                    engine=None if engine is None else (f"dp{engine['dp']}" if engine["dp"] else "EngineCore"),
+                    engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
                     log_time=None if when is None else when["time"],
                 )
                 _read_kvobs_suffix(entry, text, match.end())

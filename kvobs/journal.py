@@ -13,8 +13,9 @@ EngineCore that the failed assertion kills. So:
 * a failed load writes its report file synchronously (temp file, fsync, rename,
   fsync of the directory) and drains the journal before the exception leaves
   kvobs: the process is about to die;
-* files are bounded: segments roll at ``SEGMENT_BYTES`` and only ``KEEP_SEGMENTS``
-  are kept per engine process; at most ``KEEP_REPORTS`` failure reports.
+* files are bounded (``disk_bound``): ``KEEP_SEGMENTS`` segments of a quarter of the
+  ``journal_bytes`` option per engine process, the newest ``journal_processes`` earlier
+  processes' journals, ``max_reports`` failure reports of at most ``REPORT_BYTES`` each.
 
 Layout: ``DIR/journal/<engine>-<pid>.<seq>.jsonl`` (``<engine>-<pid>_<n>.<seq>.jsonl`` for the
 n-th other writer of the same engine in the same process and directory) and ``DIR/failures/*.json``,
@@ -24,31 +25,65 @@ directories 0700 and files 0600 (keys are hashes; no prompt text is written).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvobs.diagnosis import Diagnosis
 from kvobs.files import private_dir, write_all, write_durably
 from kvobs.observer import Sink
+from kvobs.options import Options
 from kvobs.recording import HOT_PATH, NearMiss, RemovalRun
-from kvobs.wire import Writer, encode_hello, encode_note, encode_removals, encode_totals, failure_report
+from kvobs.wire import (
+    MAX_LINE_BYTES,
+    Writer,
+    bounded_report,
+    encode_hello,
+    encode_note,
+    encode_removals,
+    encode_totals,
+    failure_report,
+)
 
 if TYPE_CHECKING:
     from kvobs.observer import Observer
 
 FLUSH_EVERY_S = 0.25
 QUEUE_RECORDS = 65_536
-SEGMENT_BYTES = 16 * 2**20
 KEEP_SEGMENTS = 4
-KEEP_PROCESSES = 8  # earlier processes of an engine whose segments are kept (restarts must not fill the disk)
-KEEP_REPORTS = 1_000
+REPORT_BYTES = 256 * 2**10
+"""A failure report is cut to this size (its per-key list first): the disk bound counts on it."""
+CHECKPOINT_BYTES = 2**20
+"""Room for the sidecar's checkpoint in the same directory (a few KiB per engine)."""
 FAILURE_FLUSH_TIMEOUT_S = 2.0
+
+def disk_bound(options: Options, engines: int = 1) -> int:
+    """The most bytes a kvobs directory holds for ``engines`` engines (each restarting any number
+    of times) with these options: size an ``emptyDir`` or a volume with it."""
+    segment = options.journal_bytes // KEEP_SEGMENTS + MAX_LINE_BYTES  # a segment rolls after its last line
+    per_engine = KEEP_SEGMENTS * segment * (1 + options.journal_processes)
+    return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES
+
+
+def _chunks(lines: list[str], limit: int) -> Iterator[tuple[int, bytes]]:
+    """Lines joined into writes of at most ``limit`` bytes (a longer line is a write of its own),
+    so no segment outgrows its bound by more than one line."""
+    batch: list[bytes] = []
+    size = 0
+    for line in lines:
+        data = line.encode() + b"\n"
+        if batch and size + len(data) > limit:
+            yield len(batch), b"".join(batch)
+            batch, size = [], 0
+        batch.append(data)
+        size += len(data)
+    if batch:
+        yield len(batch), b"".join(batch)
+
 
 _stems_in_use: set[tuple[str, str]] = set()  # (journal dir, file stem) of this process's live writers
 _stems_lock = threading.Lock()
@@ -76,14 +111,15 @@ def _stem_pid(stem_pid: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def announce_unobserved(directory: str | os.PathLike[str], engine: str, vllm_version: str, reason: str,
-                        detail: str) -> None:
+def announce_unobserved(options: Options, vllm_version: str, reason: str, detail: str) -> None:
     """One journal line saying an engine runs unobserved, and why (the sidecar exports it as
     ``kvobs_observing{reason} 0``). Written once, synchronously: no writer thread is started."""
     from kvobs import __version__
 
-    journal_dir = private_dir(private_dir(Path(directory)) / "journal")
-    writer = Writer(engine, os.getpid(), os.urandom(6).hex())
+    assert options.dir is not None
+    engine = options.engine or "0"
+    journal_dir = private_dir(private_dir(Path(options.dir)) / "journal")
+    writer = Writer(engine, os.getpid(), os.urandom(6).hex(), options.model_name or "")
     line = encode_hello(writer, time.time(), version=__version__, vllm_version=vllm_version, history_size=0,
                         hot_path="", observing=False, reason=reason, detail=detail[:500])
     fd = os.open(journal_dir / f"{engine}-{os.getpid()}.000000.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -104,11 +140,14 @@ class JournalSink(Sink):
         self.journal_dir = private_dir(self.root / "journal")
         self.failures_dir = private_dir(self.root / "failures")
         self.observer = observer
-        self.engine = observer.options.engine or f"pid{os.getpid()}"
+        self.engine = observer.options.engine or "0"
+        self.segment_bytes = observer.options.journal_bytes // KEEP_SEGMENTS
+        self.keep_processes = observer.options.journal_processes
+        self.max_reports = observer.options.max_reports
         # Tells this writer's cumulative totals apart from any other's with the same engine and
         # pid: a restarted container reuses pids; two observed managers may share one process.
         self.run = os.urandom(6).hex()
-        self.writer = Writer(self.engine, os.getpid(), self.run)
+        self.writer = Writer(self.engine, os.getpid(), self.run, observer.options.model_name or "")
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each batch)
         self.dropped = 0
@@ -150,11 +189,11 @@ class JournalSink(Sink):
 
     def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
         """Durable report, then a bounded synchronous drain of the journal."""
-        report = failure_report(diagnosis, exc, self.engine, time.time())
+        report = failure_report(diagnosis, exc, self.writer, time.time())
         name = f"{int(report['time'] * 1000):015d}-{self.engine}-{os.getpid()}-{self._reports}.json"
         self._reports += 1
         try:
-            write_durably(self.failures_dir / name, json.dumps(report, sort_keys=True, allow_nan=False).encode())
+            write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
             self._prune_reports()
             self._enqueue(("line", encode_note(self.writer, "failure", time.time(), file=name, cause=report["cause"])))
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
@@ -207,12 +246,15 @@ class JournalSink(Sink):
                     self._queued -= 1
                     lines.append(item[1])
             lines.append(totals)
+            written = 0
             try:
-                self._write(("\n".join(lines) + "\n").encode())
+                for count, chunk in _chunks(lines, self.segment_bytes):
+                    self._write(chunk)
+                    written += count
             except OSError:
                 # Lost, and said so: counted as dropped (the next totals carry the count;
                 # the counters themselves are cumulative, so they recover exactly).
-                self.dropped += len(lines) - 1
+                self.dropped += max(0, len(lines) - 1 - written)
                 raise
             if durable and self._fd is not None:
                 os.fsync(self._fd)
@@ -238,7 +280,7 @@ class JournalSink(Sink):
             _stems_in_use.discard((str(self.journal_dir), self._stem))
 
     def _write(self, data: bytes) -> None:
-        if self._fd is None or self._segment_bytes + len(data) > SEGMENT_BYTES:
+        if self._fd is None or self._segment_bytes + len(data) > self.segment_bytes:
             self._roll()
         assert self._fd is not None
         try:
@@ -264,7 +306,7 @@ class JournalSink(Sink):
                 (self.journal_dir / f"{self._stem}.{old:06d}.jsonl").unlink()
 
     def _prune_earlier_processes(self) -> None:
-        """Delete the segments of this engine's earlier processes but the newest KEEP_PROCESSES'.
+        """Delete the segments of this engine's earlier processes but the newest ``journal_processes``'.
 
         Each process bounds its own segments; without this a crash-looping engine would leave
         up to KEEP_SEGMENTS segments per restart, forever. Newest by last write, so a live
@@ -277,7 +319,7 @@ class JournalSink(Sink):
             pid = _stem_pid(stem_pid)
             if engine == self.engine and pid is not None and pid != mine:
                 by_pid.setdefault(pid, []).append(path)
-        if len(by_pid) <= KEEP_PROCESSES:
+        if len(by_pid) <= self.keep_processes:
             return
 
         def last_write(paths: list[Path]) -> float:
@@ -288,13 +330,13 @@ class JournalSink(Sink):
             return newest
 
         by_age = sorted(by_pid.values(), key=last_write)
-        for paths in by_age[: len(by_age) - KEEP_PROCESSES]:
+        for paths in by_age[: len(by_age) - self.keep_processes]:
             for path in paths:
                 with contextlib.suppress(OSError):
                     path.unlink()
 
     def _prune_reports(self) -> None:
         reports = sorted(self.failures_dir.glob("*.json"))
-        for stale in reports[: max(0, len(reports) - KEEP_REPORTS)]:
+        for stale in reports[: max(0, len(reports) - self.max_reports)]:
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

@@ -29,7 +29,16 @@ class Options:
     dir: str | None = None
     """Directory for the engine -> sidecar journal and failure reports (env KVOBS_DIR)."""
     engine: str | None = None
-    """The ``engine`` label; default: ``dp<rank>`` under vLLM, else ``pid<pid>``."""
+    """The ``engine`` label; default: the engine index as vLLM numbers it (``"0"``, ``"1"``, ...: its
+    data-parallel rank) under vLLM, else ``"0"``. Stable across restarts, as vLLM's own."""
+    model_name: str | None = None
+    """The ``model_name`` label; default: vLLM's served model name under vLLM, else none."""
+    journal_bytes: int = 64 * 2**20
+    """Journal bytes kept per engine process (four segments of a quarter each)."""
+    journal_processes: int = 8
+    """Earlier processes of an engine (restarts) whose journal is kept besides the running one."""
+    max_reports: int = 1_000
+    """Failure reports kept in ``dir`` (the oldest are deleted)."""
     tracer_provider: Any = None
     """OpenTelemetry TracerProvider for the failure span; default: the global one."""
 
@@ -37,8 +46,12 @@ class Options:
 _INT_RANGES = {
     "history_size": (MIN_HISTORY_SIZE, MAX_HISTORY_SIZE),
     "max_verdicts": (1, 100_000_000),
+    "journal_bytes": (2**20, 2**40),
+    "journal_processes": (0, 1_000),
+    "max_reports": (1, 1_000_000),
 }
-_STRINGS = ("dir", "engine")
+_STRINGS = ("dir", "engine", "model_name")
+MAX_MODEL_NAME = 256
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 
 
@@ -66,6 +79,11 @@ def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Op
                 f"{source} 'engine' must be 1-64 letters, digits, '_', '.', ':' or '-' and start with a letter or "
                 f"digit (it names the journal files), got {value!r}"
             )
+        elif name == "model_name" and value is not None and (
+            len(value) > MAX_MODEL_NAME or not value.isprintable()
+        ):
+            raise OptionError(f"{source} 'model_name' must be at most {MAX_MODEL_NAME} printable characters, "
+                              f"got {value!r:.300}")
         elif name == "tracer_provider" and value is not None and not callable(getattr(value, "get_tracer", None)):
             # Else a JSON string here would only surface at the first failed load, as a kvobs fault.
             raise OptionError(

@@ -88,6 +88,11 @@ def is_label(value: Any, max_len: int = 256) -> TypeIs[str]:
     return isinstance(value, str) and 0 < len(value) <= max_len
 
 
+def is_model_name(value: Any) -> TypeIs[str]:
+    """A ``model_name`` label value as kvobs writes it ("" when not known)."""
+    return isinstance(value, str) and len(value) <= 256 and value.isprintable()
+
+
 def _counter_map(value: Any, labels: Sequence[str] | None = None) -> dict[str, float] | None:
     if not isinstance(value, dict):
         return None
@@ -127,11 +132,18 @@ def _column(value: Any, typecode: str) -> array | None:
 
 
 class Writer(NamedTuple):
-    """Who wrote a journal record: the engine label, the process, and the writer's run id."""
+    """Who wrote a journal record: the engine label, the process, the writer's run id, and the
+    served model (the ``model_name`` label; "" when not known)."""
 
     engine: str
     pid: int
     run: str
+    model_name: str = ""
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """(model_name, engine): the labels every series of this engine carries, as vLLM's do."""
+        return self.model_name, self.engine
 
 
 class Hello(NamedTuple):
@@ -141,7 +153,6 @@ class Hello(NamedTuple):
     vllm_version: str
     history_size: int
     hot_path: str
-    model_name: str
     observing: bool
     reason: str  # why not, when not observing (kvobs.wire.OBSERVING_REASONS)
     detail: str = ""
@@ -209,7 +220,10 @@ def _dumps(record: dict[str, Any]) -> str:
 
 
 def _head(kind: str, writer: Writer) -> dict[str, Any]:
-    return {"k": kind, "e": writer.engine, "pid": writer.pid, "run": writer.run}
+    head = {"k": kind, "e": writer.engine, "pid": writer.pid, "run": writer.run}
+    if writer.model_name:
+        head["m"] = writer.model_name
+    return head
 
 
 OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
@@ -217,11 +231,10 @@ OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
 
 
 def encode_hello(writer: Writer, time: float, *, version: str, vllm_version: str, history_size: int,
-                 hot_path: str, model_name: str = "", observing: bool = True, reason: str = "ok",
-                 detail: str = "") -> str:
+                 hot_path: str, observing: bool = True, reason: str = "ok", detail: str = "") -> str:
     return _dumps({**_head("hello", writer), "t": time, "format": FORMAT_VERSION, "version": version,
                    "vllm_version": vllm_version, "history_size": history_size, "hot_path": hot_path,
-                   "model_name": model_name, "observing": observing, "reason": reason, "detail": detail})
+                   "observing": observing, "reason": reason, "detail": detail})
 
 
 def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[str, int]], *,
@@ -304,10 +317,12 @@ def ref_text(ref: bytes) -> str:
 
 
 def _writer(record: dict[str, Any]) -> Writer | None:
-    engine, pid, run = record.get("e"), record.get("pid"), record.get("run")
+    engine, pid, run, model = record.get("e"), record.get("pid"), record.get("run"), record.get("m", "")
     if not is_label(engine) or not is_count(pid) or not (run is None or is_label(run, 64)):
         return None
-    return Writer(engine, int(pid), run or "")
+    if not is_model_name(model):
+        return None
+    return Writer(engine, int(pid), run or "", model)
 
 
 def decode_record(record: Any) -> Record | None:
@@ -343,7 +358,7 @@ def decode_record(record: Any) -> Record | None:
             return None
         return Totals(writer, float(time), counters, float(keys), float(window))
     if kind == "hello":
-        texts = {k: record.get(k, "") for k in ("version", "vllm_version", "hot_path", "model_name")}
+        texts = {k: record.get(k, "") for k in ("version", "vllm_version", "hot_path")}
         size, observing = record.get("history_size", 0), record.get("observing", True)
         reason, detail = record.get("reason", "ok"), record.get("detail", "")
         if not all(isinstance(v, str) and len(v) <= 256 for v in texts.values()) or not is_count(size):
@@ -351,9 +366,10 @@ def decode_record(record: Any) -> Record | None:
         if not isinstance(observing, bool) or reason not in OBSERVING_REASONS or not isinstance(detail, str):
             return None
         return Hello(writer, float(time), texts["version"], texts["vllm_version"], int(size), texts["hot_path"],
-                     texts["model_name"], observing, reason, detail[:500])
+                     observing, reason, detail[:500])
     if kind in ("near_miss", "failure"):
-        return Note(writer, kind, float(time), {k: v for k, v in record.items() if k not in ("k", "e", "pid", "run")})
+        return Note(writer, kind, float(time),
+                    {k: v for k, v in record.items() if k not in ("k", "e", "pid", "run", "m")})
     return None
 
 
@@ -513,14 +529,15 @@ class Histogram:
 # -- failure reports ----------------------------------------------------------------------
 
 
-def failure_report(diagnosis: Diagnosis, exc: BaseException, engine: str, wall_time: float) -> dict[str, Any]:
+def failure_report(diagnosis: Diagnosis, exc: BaseException, writer: Writer, wall_time: float) -> dict[str, Any]:
     """Every field of the message as structured data (``GET /api/v1/failures`` serves these)."""
     failure = diagnosis.failure
     return {
         "kind": "failure",
         "format": FORMAT_VERSION,
-        "engine": engine,
-        "pid": os.getpid(),
+        "engine": writer.engine,
+        "model_name": writer.model_name,
+        "pid": writer.pid,
         "time": wall_time,
         "exception_type": type(exc).__name__,
         "vllm_message": failure.vllm_message,
@@ -582,11 +599,29 @@ class Summary(NamedTuple):
     ages: dict[str, Histogram]  # group -> eviction ages
 
 
+def bounded_report(report: dict[str, Any], limit: int) -> bytes:
+    """The report as JSON of at most ``limit`` bytes: the per-key list is cut first (the summary
+    keeps every key's cause and age), then the texts. ``missing_not_listed`` counts what was cut."""
+    data = json.dumps(report, sort_keys=True, allow_nan=False).encode()
+    missing = list(report.get("missing") or [])
+    while len(data) > limit and missing:
+        missing = missing[: len(missing) // 2]
+        report = report | {"missing": missing,
+                           "missing_not_listed": report.get("num_missing", 0) - len(missing)}
+        data = json.dumps(report, sort_keys=True, allow_nan=False).encode()
+    if len(data) > limit:  # texts (a request id, the message) are all that is left to cut
+        text_room = max(256, limit // 8)
+        report = {k: (v[:text_room] if isinstance(v, str) else v) for k, v in report.items()}
+        data = json.dumps(report, sort_keys=True, allow_nan=False).encode()
+    return data
+
+
 class Report(NamedTuple):
     """A failure report as the sidecar folds it (the whole report is served as read)."""
 
     name: str
     engine: str
+    model_name: str
     time: float
     cause: str
     summary: Summary
@@ -634,7 +669,8 @@ def decode_report(name: str, data: Any) -> Report | None:
     if not isinstance(data, dict) or data.get("kind", "failure") != "failure":
         return None
     engine, when, cause = data.get("engine"), data.get("time"), data.get("cause")
-    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES:
+    model = data.get("model_name", "")
+    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES or not is_model_name(model):
         return None
     for name_ in ("history_keys", "num_keys", "num_missing"):
         if name_ in data and not is_count(data[name_]):
@@ -651,7 +687,7 @@ def decode_report(name: str, data: Any) -> Report | None:
         age = key.get("seconds_since_eviction") if isinstance(key, dict) else "bad"
         if not (age is None or is_seconds(age)):
             return None
-    return Report(name, engine, float(when), cause, summary, data)
+    return Report(name, engine, model, float(when), cause, summary, data)
 
 
 def read_report(path: Path) -> Report:

@@ -121,17 +121,10 @@ def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, timeout: float = 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from vllm import __version__ as vllm_version
-
-    from kvobs.demo.workload import Workload
-
-    # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
-    # store in the small CPU tier) would bury them.
-    logging.getLogger("kvobs").setLevel(logging.CRITICAL)
-    logging.getLogger("vllm").setLevel(logging.ERROR)
+    # Port first, vLLM after: importing vLLM (and torch) takes 10-20 s, and a taken port must not
+    # wait for that. Else our sidecar dies on the bound port while the other one answers /healthz,
+    # and the summary is checked against a sidecar that never reads this demo's directory.
     if _port_in_use(args.port):
-        # Else our sidecar dies on the bound port while the other one answers /healthz, and the
-        # summary is checked against a sidecar that never reads this demo's directory.
         print(f"kvobs demo: port {args.port} is in use (another kvobs sidecar, e.g. the compose stack?); "
               "pass --port", file=sys.stderr)
         return 2
@@ -140,8 +133,20 @@ def run_demo(args: argparse.Namespace) -> int:
     earlier_runs = any((directory / "journal").glob("*.jsonl"))  # the sidecar will count those too
     url = f"http://127.0.0.1:{args.port}"
     console = Console()
-    sidecar = _start_sidecar(directory, args.port)
+    console.line(f"kvobs demo: starting the sidecar on 127.0.0.1:{args.port} and loading vLLM "
+                 "(importing vLLM and torch takes 10-20 s) ...")
+    sidecar = _start_sidecar(directory, args.port)  # it starts while vLLM loads
     try:
+        started = time.monotonic()
+        from vllm import __version__ as vllm_version
+
+        from kvobs.demo.workload import Workload
+
+        # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
+        # store in the small CPU tier) would bury them. After the import: vLLM sets its level then.
+        logging.getLogger("kvobs").setLevel(logging.CRITICAL)
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        console.line(f"kvobs demo: vLLM {vllm_version} loaded in {time.monotonic() - started:.1f} s")
         _wait_until_up(sidecar, url)
         console.line(f"kvobs demo on vLLM {vllm_version}: the real OffloadingConnectorScheduler and offload managers, "
                      "on CPU")

@@ -13,6 +13,8 @@ from kvobs.sidecar.ingest import Ingest
 from kvobs.wire import Histogram
 
 SKIP_SOURCES = ("journal", "report", "checkpoint")
+ENGINE_LABELS = ("model_name", "engine")
+"""vLLM's own identity labels, with vLLM's values: kvobs_* series join vllm:* series on them."""
 SKIP_REASONS = ("corrupt", "unreadable")
 
 
@@ -22,96 +24,101 @@ def _hist(family: HistogramMetricFamily, labels: list[str], hist: Histogram | No
 
 
 class KvobsCollector(Collector):
-    """Every metric of DESIGN.md; every reason/cause/stage label value present from the start."""
+    """Every metric of DESIGN.md; every reason/cause/stage label value present from the start.
+
+    Each engine's series carry ``model_name`` and ``engine`` as vLLM labels its own; the
+    sidecar's own series (``kvobs_sidecar_*``) carry neither."""
 
     def __init__(self, ingest: Ingest) -> None:
         self.ingest = ingest
 
     def collect(self) -> Iterator[Metric]:
         evicted = CounterMetricFamily(
-            "kvobs_evicted_chunks", "Chunks removed from the CPU tier.", labels=["engine", "reason"]
+            "kvobs_evicted_chunks", "Chunks removed from the CPU tier.", labels=[*ENGINE_LABELS, "reason"]
         )
         batches = CounterMetricFamily(
-            "kvobs_eviction_batches", "Removal batches from the CPU tier.", labels=["engine", "reason"]
+            "kvobs_eviction_batches", "Removal batches from the CPU tier.", labels=[*ENGINE_LABELS, "reason"]
         )
         failures = CounterMetricFamily(
-            "kvobs_load_failures", "Failed prepare_load calls by cause.", labels=["engine", "cause"]
+            "kvobs_load_failures", "Failed prepare_load calls by cause.", labels=[*ENGINE_LABELS, "cause"]
         )
         missing = CounterMetricFamily(
             "kvobs_missing_chunks",
             "Chunks missing at a failed load, by cause and KV group.",
-            labels=["engine", "cause", "group"],
+            labels=[*ENGINE_LABELS, "cause", "group"],
         )
         age = HistogramMetricFamily(
             "kvobs_missing_chunk_eviction_age_seconds",
             "Seconds between a missing chunk's last removal and the failed load.",
-            labels=["engine", "group"],
+            labels=[*ENGINE_LABELS, "group"],
         )
         residency = HistogramMetricFamily(
             "kvobs_chunk_residency_seconds",
             "Seconds a chunk stayed in the CPU tier (store to removal).",
-            labels=["engine", "reason"],
+            labels=[*ENGINE_LABELS, "reason"],
         )
         near = CounterMetricFamily(
             "kvobs_hits_evicted_before_load",
             "Chunks a lookup reported that were removed before the request's load pinned them (near misses).",
-            labels=["engine", "reason"],
+            labels=[*ENGINE_LABELS, "reason"],
         )
-        hist_chunks = GaugeMetricFamily("kvobs_history_chunks", "Keys in the eviction history.", labels=["engine"])
+        hist_chunks = GaugeMetricFamily(
+            "kvobs_history_chunks", "Keys in the eviction history.", labels=[*ENGINE_LABELS]
+        )
         hist_window = GaugeMetricFamily(
-            "kvobs_history_window_seconds", "How far back the eviction history reaches.", labels=["engine"]
+            "kvobs_history_window_seconds", "How far back the eviction history reaches.", labels=[*ENGINE_LABELS]
         )
         dropped = CounterMetricFamily(
-            "kvobs_dropped_records", "Records kvobs dropped to stay bounded.", labels=["engine", "stage"]
+            "kvobs_dropped_records", "Records kvobs dropped to stay bounded.", labels=[*ENGINE_LABELS, "stage"]
         )
         errors = CounterMetricFamily(
             "kvobs_internal_errors",
             "Faults of kvobs's own (counted, never raised into vLLM).",
-            labels=["engine", "stage"],
+            labels=[*ENGINE_LABELS, "stage"],
         )
         build = GaugeMetricFamily(
             "kvobs_build_info",
             "kvobs and vLLM versions and the hot path each engine runs (compiled or python).",
-            labels=["engine", "version", "vllm_version", "hot_path"],
+            labels=[*ENGINE_LABELS, "version", "vllm_version", "hot_path"],
         )
         observing = GaugeMetricFamily(
             "kvobs_observing",
             "1 while kvobs observes the engine's offload manager, 0 when it stepped aside (reason: why).",
-            labels=["engine", "reason"],
+            labels=[*ENGINE_LABELS, "reason"],
         )
         last = GaugeMetricFamily(
             "kvobs_engine_last_record_timestamp_seconds",
             "Wall time of the newest record from each engine.",
-            labels=["engine"],
+            labels=[*ENGINE_LABELS],
         )
         ingest = self.ingest
         with ingest.lock:
             state = ingest.state
-            for name, engine in sorted(state.engines.items()):
+            for identity, engine in sorted(state.engines.items()):
                 totals = engine.totals()
                 latest = engine.latest()
                 for reason in REASONS:
-                    evicted.add_metric([name, reason], totals.get("evicted", {}).get(reason, 0))
-                    batches.add_metric([name, reason], totals.get("batches", {}).get(reason, 0))
-                    near.add_metric([name, reason], totals.get("near", {}).get(reason, 0))
-                    _hist(residency, [name, reason], engine.residency.get(reason))
+                    evicted.add_metric([*identity, reason], totals.get("evicted", {}).get(reason, 0))
+                    batches.add_metric([*identity, reason], totals.get("batches", {}).get(reason, 0))
+                    near.add_metric([*identity, reason], totals.get("near", {}).get(reason, 0))
+                    _hist(residency, [*identity, reason], engine.residency.get(reason))
                 for cause in CAUSES:
-                    failures.add_metric([name, cause], totals.get("failures", {}).get(cause, 0))
+                    failures.add_metric([*identity, cause], totals.get("failures", {}).get(cause, 0))
                     for group in sorted(engine.groups or {"0"}):
-                        missing.add_metric([name, cause, group], engine.missing.get((cause, group), 0))
+                        missing.add_metric([*identity, cause, group], engine.missing.get((cause, group), 0))
                 for group in sorted(engine.groups or {"0"}):
-                    _hist(age, [name, group], engine.missing_age.get(group))
+                    _hist(age, [*identity, group], engine.missing_age.get(group))
                 for stage in DROP_STAGES:
-                    dropped.add_metric([name, stage], totals.get("dropped", {}).get(stage, 0))
+                    dropped.add_metric([*identity, stage], totals.get("dropped", {}).get(stage, 0))
                 for stage in STAGES:
-                    errors.add_metric([name, stage], totals.get("errors", {}).get(stage, 0))
-                hist_chunks.add_metric([name], 0.0 if latest is None else latest.history_keys)
-                hist_window.add_metric([name], 0.0 if latest is None else latest.history_window_s)
+                    errors.add_metric([*identity, stage], totals.get("errors", {}).get(stage, 0))
+                hist_chunks.add_metric([*identity], 0.0 if latest is None else latest.history_keys)
+                hist_window.add_metric([*identity], 0.0 if latest is None else latest.history_window_s)
                 hello = engine.hello
                 if hello is not None:
-                    build.add_metric([name, hello.version, hello.vllm_version, hello.hot_path], 1)
-                    observing.add_metric([name, hello.reason], 1 if hello.observing else 0)
-                last.add_metric([name], engine.last_record_time)
+                    build.add_metric([*identity, hello.version, hello.vllm_version, hello.hot_path], 1)
+                    observing.add_metric([*identity, hello.reason], 1 if hello.observing else 0)
+                last.add_metric([*identity], engine.last_record_time)
             skipped = dict(state.skipped)
             records = state.records
             engines = len(state.engines)

@@ -1,5 +1,29 @@
 """The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures. Nothing changes state.
 
+``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
+gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
+
+``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503.
+
+``GET /api/v1/failures``: failure reports, newest first, as ``{"failures": [...], "next": URL|null}``.
+Each report is the file the engine wrote (every field of the message), plus its ``id`` (the
+file's stem; ids sort by time) and, per group of ``missing_summary.ages``, the histogram's
+``bounds`` (upper bounds in seconds, the last ``"+Inf"``) next to its ``counts``. Parameters,
+all optional; ``engine``, ``model_name`` and ``cause`` may repeat (any of the values matches):
+
+* ``limit``: reports per page, 1..``MAX_FAILURES`` (default ``DEFAULT_FAILURES``);
+* ``engine``: the ``engine`` label;
+* ``model_name``: the served model (``model_name=`` with no value: reports without one);
+* ``cause``: one of ``kvobs.codes.CAUSES`` (anything else: 400 naming it);
+* ``since``: unix seconds (a float); reports at or after it;
+* ``before``: a report ``id``; reports older than it (the paging cursor).
+
+``next`` is the relative URL of the next page (the same filters, ``before`` the last id
+served), or null when no more reports match. Follow it until it is null: a page can hold fewer
+than ``limit`` reports when the request read ``MAX_SCANNED`` report files or ``MAX_PAGE_BYTES``
+of them first (each request's work is bounded). An unknown parameter is a 400, as is a bad value.
+Example: ``GET /api/v1/failures?engine=dp0&cause=evicted_after_lookup&since=1767225600&limit=50``.
+
 Bounded: at most ``MAX_CONNECTIONS`` handled at once (more are closed at once),
 a socket timeout against slow clients and a deadline for a whole request head
 (a client dribbling a byte at a time — slowloris — would otherwise hold a
@@ -11,23 +35,26 @@ from __future__ import annotations
 
 import gzip
 import io
-import itertools
 import json
+import math
+import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from kvobs.codes import BUCKETS, CAUSES
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-from kvobs.wire import iter_reports
+from kvobs.wire import Report, read_report, report_files
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -47,9 +74,172 @@ def _accepts_gzip(header: str) -> bool:
     return False
 
 
+MAX_SCANNED = 5_000
+"""Report files one /api/v1/failures request reads at most; then it answers with what matched and a ``next``."""
+MAX_PAGE_BYTES = 64 * 2**20
+"""Report bytes (as on disk) one page holds at most; it always holds at least one report."""
+FAILURE_PARAMS = ("limit", "engine", "model_name", "cause", "since", "before")
+AGE_BOUNDS: list[float | str] = [*BUCKETS, "+Inf"]
+"""The upper bounds of a ``missing_summary.ages`` histogram's ``counts``, one per count."""
+_MAX_PARAM_CHARS = 256
+_TIMED_NAME = re.compile(r"(\d{15})-")  # a report's file name starts with its millisecond wall time
+
+
+class QueryError(ValueError):
+    """A bad /api/v1/failures query (a 400, with this message)."""
+
+
+def _one(params: dict[str, list[str]], name: str) -> str | None:
+    values = params.get(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise QueryError(f"{name} given {len(values)} times; give it once")
+    return values[0]
+
+
+def _labels(params: dict[str, list[str]], name: str, *, allow_empty: bool = False) -> frozenset[str] | None:
+    values = params.get(name)
+    if values is None:
+        return None
+    for value in values:
+        if (not value and not allow_empty) or len(value) > _MAX_PARAM_CHARS:
+            raise QueryError(f"{name} must be 1..{_MAX_PARAM_CHARS} characters, got {value[:_MAX_PARAM_CHARS]!r}")
+    return frozenset(values)
+
+
+@dataclass(frozen=True)
+class FailureQuery:
+    """The filters and the page of a /api/v1/failures request."""
+
+    limit: int = DEFAULT_FAILURES
+    engines: frozenset[str] | None = None
+    models: frozenset[str] | None = None
+    causes: frozenset[str] | None = None
+    since: float | None = None
+    before: str | None = None
+
+    @classmethod
+    def parse(cls, query: str) -> FailureQuery:
+        """The query string's filters; :class:`QueryError` naming what does not fit."""
+        try:
+            params = parse_qs(query, keep_blank_values=True, max_num_fields=64)
+        except ValueError:
+            raise QueryError("too many query parameters") from None
+        unknown = sorted(set(params) - set(FAILURE_PARAMS))
+        if unknown:
+            raise QueryError(f"unknown parameter {unknown[0][:_MAX_PARAM_CHARS]!r} (parameters: "
+                             f"{', '.join(FAILURE_PARAMS)})")
+        limit_text, since_text, before = _one(params, "limit"), _one(params, "since"), _one(params, "before")
+        limit = DEFAULT_FAILURES
+        if limit_text is not None:
+            try:
+                limit = int(limit_text)
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= MAX_FAILURES:
+                raise QueryError(f"limit must be an integer in [1, {MAX_FAILURES}]")
+        since = None
+        if since_text is not None:
+            try:
+                since = float(since_text)
+            except ValueError:
+                since = math.nan
+            if not math.isfinite(since):
+                raise QueryError(f"since must be unix seconds (a number), got {since_text[:_MAX_PARAM_CHARS]!r}")
+        if before is not None and not 0 < len(before) <= _MAX_PARAM_CHARS:
+            raise QueryError(f"before must be a report id (1..{_MAX_PARAM_CHARS} characters)")
+        causes = _labels(params, "cause")
+        for cause in sorted(causes or ()):
+            if cause not in CAUSES:
+                raise QueryError(f"unknown cause {cause!r} (causes: {', '.join(CAUSES)})")
+        return cls(limit, _labels(params, "engine"), _labels(params, "model_name", allow_empty=True), causes,
+                   since, before)
+
+    def matches(self, report: Report) -> bool:
+        model = report.data.get("model_name") or ""
+        return ((self.engines is None or report.engine in self.engines)
+                and (self.models is None or model in self.models)
+                and (self.causes is None or report.cause in self.causes)
+                and (self.since is None or report.time >= self.since))
+
+    def skips_by_name(self, report_id: str) -> bool:
+        """True if the id alone shows the report is not on this page (not older than ``before``, or a
+        file name's millisecond time well before ``since``): no need to read it."""
+        if self.before is not None and report_id >= self.before:
+            return True
+        if self.since is not None:
+            timed = _TIMED_NAME.match(report_id)
+            if timed and int(timed.group(1)) + 2 < self.since * 1000:
+                return True
+        return False
+
+    def next_url(self, before: str) -> str:
+        """The relative URL of the page after the one that ended at report ``before``."""
+        params: list[tuple[str, Any]] = [("limit", self.limit)]
+        for name, values in (("engine", self.engines), ("model_name", self.models), ("cause", self.causes)):
+            params.extend((name, value) for value in sorted(values or ()))
+        if self.since is not None:
+            params.append(("since", repr(self.since)))
+        params.append(("before", before))
+        return "/api/v1/failures?" + urlencode(params)
+
+
+def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:
+    """(id, path) of the report files, newest first (ids sort by time; one order for ``before``)."""
+    return sorted(((path.stem, path) for path in report_files(failures_dir)), key=lambda item: item[0], reverse=True)
+
+
+def served_report(report: Report, report_id: str) -> dict[str, Any]:
+    """A report as served: the file's fields, its ``id``, and each age histogram's ``bounds`` next to its
+    ``counts`` (a report from before ``missing_summary`` gets one, summed from its listed keys)."""
+    summary = report.data.get("missing_summary")
+    if not isinstance(summary, dict):
+        summary = {"counts": [[cause, int(group), n] for cause, group, n in report.summary.counts],
+                   "ages": {group: hist.to_json() for group, hist in report.summary.ages.items()}}
+    ages = summary.get("ages")
+    if isinstance(ages, dict):  # validated by read_report: len(counts) == len(AGE_BOUNDS)
+        ages = {group: {**hist, "bounds": AGE_BOUNDS} if isinstance(hist, dict) else hist
+                for group, hist in ages.items()}
+    return {**report.data, "missing_summary": {**summary, "bounds": summary.get("bounds", list(BUCKETS)),
+                                               "ages": ages},
+            "id": report_id}
+
+
+def failure_page(failures_dir: Path, query: FailureQuery) -> tuple[list[dict[str, Any]], str | None]:
+    """The reports on this page, newest first, and the id the next page starts before (None: no more match).
+
+    Reads one report file at a time, at most ``MAX_SCANNED`` of them and ``MAX_PAGE_BYTES`` for the
+    page; unreadable or damaged files are skipped (the sidecar counts them in its metrics)."""
+    page: list[dict[str, Any]] = []
+    size = scanned = 0
+    last_read: str | None = None
+    for report_id, path in _report_ids(failures_dir):
+        if query.skips_by_name(report_id):
+            continue
+        if scanned >= MAX_SCANNED:  # this request's budget is spent: the client asks again from here
+            return page, (page[-1]["id"] if len(page) == query.limit else last_read)
+        scanned += 1
+        last_read = report_id
+        try:
+            file_size = path.lstat().st_size
+            report = read_report(path)
+        except (OSError, ValueError):
+            continue
+        if not query.matches(report):
+            continue
+        if len(page) == query.limit:  # one more matches: there is a next page
+            return page, page[-1]["id"]
+        if page and size + file_size > MAX_PAGE_BYTES:
+            return page, page[-1]["id"]
+        page.append(served_report(report, report_id))
+        size += file_size
+    return page, None
+
+
 def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
-    """Failure reports, newest first."""
-    return list(itertools.islice(iter_reports(failures_dir), limit))
+    """Failure reports, newest first, as served."""
+    return failure_page(failures_dir, FailureQuery(limit=limit))[0]
 
 
 class SidecarServer(ThreadingHTTPServer):
@@ -156,16 +346,14 @@ class Handler(BaseHTTPRequestHandler):
                 {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age},
             )
         elif url.path == "/api/v1/failures":
-            query = parse_qs(url.query)
             try:
-                limit = int(query.get("limit", [DEFAULT_FAILURES])[0])
-                if not 1 <= limit <= MAX_FAILURES:
-                    raise ValueError
-            except ValueError:
-                self._json(HTTPStatus.BAD_REQUEST, {"error": f"limit must be an integer in [1, {MAX_FAILURES}]"})
+                query = FailureQuery.parse(url.query)
+            except QueryError as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
                 return
-            failures = recent_failures(self.server.ingest.dir / "failures", limit)
-            self._json(HTTPStatus.OK, {"failures": failures})
+            failures, cursor = failure_page(self.server.ingest.dir / "failures", query)
+            next_url = None if cursor is None else query.next_url(cursor)
+            self._json(HTTPStatus.OK, {"failures": failures, "next": next_url})
         elif url.path == "/":
             self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/api/v1/failures"]})
         else:

@@ -32,10 +32,15 @@ from kvobs.wire import (
     Totals,
     is_count,
     is_label,
+    is_model_name,
     is_seconds,
 )
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (2, 3)  # format 2 knew engines by their engine label alone (model_name "")
+
+EngineId = tuple[str, str]
+"""(model_name, engine): the labels of an engine's series, as vLLM's own (``wire.Writer.identity``)."""
 
 
 def _add(into: dict[str, dict[str, float]], counters: Mapping[str, Mapping[str, float]]) -> None:
@@ -53,7 +58,7 @@ class LiveWriter:
 
 @dataclass
 class EngineState:
-    """One ``engine`` label: possibly several writers over time (restarts, several managers)."""
+    """One engine (model_name, engine): possibly several writers over time (restarts, several managers)."""
 
     live: dict[str, LiveWriter] = field(default_factory=dict)  # "pid/run" -> its latest totals
     retired: dict[str, dict[str, float]] = field(default_factory=dict)  # summed totals of writers gone
@@ -78,16 +83,16 @@ class SidecarState:
     """Folds records and reports; read by the metrics collector under the ingest lock."""
 
     def __init__(self) -> None:
-        self.engines: dict[str, EngineState] = {}
+        self.engines: dict[EngineId, EngineState] = {}
         self.positions: dict[str, tuple[int, bool]] = {}  # file name -> (offset, inside a skipped line)
         self.reports_seen: set[str] = set()
         self.records = 0
         self.skipped: Counter[tuple[str, str]] = Counter()  # (source, reason) -> records or files skipped
 
-    def engine(self, name: str) -> EngineState:
-        state = self.engines.get(name)
+    def engine(self, identity: EngineId) -> EngineState:
+        state = self.engines.get(identity)
         if state is None:
-            state = self.engines[name] = EngineState()
+            state = self.engines[identity] = EngineState()
         return state
 
     def apply(self, record: Record | None, stem: str) -> None:
@@ -96,7 +101,7 @@ class SidecarState:
             self.skipped["journal", "corrupt"] += 1
             return
         self.records += 1
-        state = self.engine(record.writer.engine)
+        state = self.engine(record.writer.identity)
         if isinstance(record, Removals):
             if record.times:
                 state.last_record_time = max(state.last_record_time, record.times[-1])
@@ -136,7 +141,7 @@ class SidecarState:
         if report.name in self.reports_seen:
             return
         self.reports_seen.add(report.name)
-        state = self.engine(report.engine)
+        state = self.engine((report.model_name, report.engine))
         for cause, group, n in report.summary.counts:
             state.groups.add(group)
             state.missing[(cause, group)] = state.missing.get((cause, group), 0) + n
@@ -156,8 +161,10 @@ class SidecarState:
             "reports_seen": sorted(self.reports_seen),
             "records": self.records,
             "skipped": [[source, reason, n] for (source, reason), n in self.skipped.items()],
-            "engines": {
-                name: {
+            "engines": [
+                {
+                    "model_name": identity[0],
+                    "engine": identity[1],
                     "live": {
                         writer: {"stem": w.stem, "pid": w.totals.writer.pid, "run": w.totals.writer.run,
                                  "t": w.totals.time, "counters": w.totals.counters,
@@ -172,8 +179,8 @@ class SidecarState:
                     "missing": [[c, g, n] for (c, g), n in e.missing.items()],
                     "missing_age": {g: h.to_json() for g, h in e.missing_age.items()},
                 }
-                for name, e in self.engines.items()
-            },
+                for identity, e in self.engines.items()
+            ],
         }
 
     @classmethod
@@ -186,8 +193,8 @@ class _Restore:
     """Reads a checkpoint with the same rules as any other input: every number checked."""
 
     def __init__(self, data: Any) -> None:
-        if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("not a kvobs sidecar checkpoint of this format")
+        if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
+            raise ValueError("not a kvobs sidecar checkpoint of a format this sidecar reads")
         from kvobs.wire import Writer
 
         self._writer = Writer
@@ -205,10 +212,18 @@ class _Restore:
             if not (isinstance(row, list) and len(row) == 3 and is_label(row[0]) and is_label(row[1])):
                 raise ValueError("bad skipped counts")
             state.skipped[(row[0], row[1])] = self._count(row[2])
-        for name, e in self._dict(data, "engines").items():
-            if not is_label(name):
-                raise ValueError("bad engine label")
-            self._engine(state.engine(name), e)
+        engines: Any
+        if data["format"] == 2:
+            engines = [e | {"engine": name, "model_name": ""} if isinstance(e, dict) else e
+                       for name, e in self._dict(data, "engines").items()]
+        else:
+            engines = data.get("engines")
+            if not isinstance(engines, list):
+                raise ValueError("bad engines")
+        for e in engines:
+            if not isinstance(e, dict) or not is_label(e.get("engine")) or not is_model_name(e.get("model_name")):
+                raise ValueError("bad engine labels")
+            self._engine(state.engine((e["model_name"], e["engine"])), e)
 
     @staticmethod
     def _dict(data: Any, key: str) -> dict[str, Any]:
@@ -264,7 +279,8 @@ class _Restore:
             try:
                 fields = {k: hello[k] for k in Hello._fields if k != "writer" and k in hello}
                 writer = hello["writer"]
-                engine.hello = Hello(self._writer(str(writer[0]), int(writer[1]), str(writer[2])), **fields)
+                model = str(writer[3]) if len(writer) > 3 else ""
+                engine.hello = Hello(self._writer(str(writer[0]), int(writer[1]), str(writer[2]), model), **fields)
             except (KeyError, TypeError, IndexError, ValueError) as exc:
                 raise ValueError("bad hello") from exc
         engine.last_record_time = self._seconds(e.get("last_record_time"))

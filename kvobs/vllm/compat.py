@@ -30,6 +30,10 @@ Release differences kvobs meets (each checked by feature, below):
   offloading spec never sees, so the message has no end tokens there (README, "Supported vLLM");
 * ``policy.insert`` takes ``req_context`` from 0.33 (kvobs reads only its ``chunk``).
 
+Read once, at start-up, for the labels vLLM's own metrics carry (:func:`engine_labels`): the
+served model name, from the ``vllm_config`` local of the frames that build the spec (the
+connector's ``__init__`` in all four releases), else the model path of the spec's config.
+
 :func:`check` verifies all of it on a live manager before kvobs touches anything, and raises
 :class:`ProtocolMismatch` naming what is missing: the plugin then steps aside
 (``kvobs.vllm.spec``) and ``kvobs.observe()`` raises it.
@@ -38,6 +42,8 @@ Release differences kvobs meets (each checked by feature, below):
 from __future__ import annotations
 
 import inspect
+import logging
+import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
@@ -45,6 +51,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
 from kvobs.recording import ClearTap, EvictTap, InsertTap, PolicyTap, Recorder, RemoveTap
+
+logger = logging.getLogger("kvobs")
 
 try:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -254,3 +262,46 @@ def settle_secondary_tiers(manager: Any, timeout_s: float = 10.0) -> None:
             if not in_flight or (lookups._lookup_queue.empty() and not lookups._pending_results.empty()):
                 break
             time.sleep(0.001)
+
+
+def engine_labels(config: Any) -> tuple[str, str]:
+    """(model_name, engine) as vLLM's own metrics label this engine (``vllm/v1/metrics/loggers.py``:
+    ``model_config.served_model_name`` and ``str(engine_index)``, the engine index being the
+    data-parallel rank), from the ``OffloadingConfig`` a spec is built with.
+
+    The spec's config names the model (``model.name``, the model path) but not the served name;
+    the ``VllmConfig`` the connector builds the spec from is found in the calling frames (vLLM
+    constructs the spec inside ``OffloadingConnector.__init__(vllm_config, ...)`` in every
+    supported release), else vLLM's current config. Without either, the served name defaults to
+    the model path, as vLLM's own does when ``--served-model-name`` is not given.
+    """
+    try:
+        engine = str(config.parallel.data_parallel_index)
+        served = _served_model_name()
+        return (served if served else str(config.model.name)), engine
+    except Exception as exc:  # labels are not worth stopping the engine for: kvobs's defaults
+        logger.warning("kvobs: cannot read the engine's labels from vLLM's config (%r); using engine '0'", exc)
+        return "", "0"
+
+
+def _served_model_name(max_frames: int = 12) -> str | None:
+    frame = sys._getframe(1)
+    for _ in range(max_frames):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            break
+        name = _served_name_of(frame.f_locals.get("vllm_config"))
+        if name:
+            return name
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    return _served_name_of(get_current_vllm_config_or_none())
+
+
+def _served_name_of(vllm_config: Any) -> str | None:
+    name = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
+    if isinstance(name, list):  # before ModelConfig's post-init picks the first
+        name = name[0] if name else None
+    return name if isinstance(name, str) and name else None

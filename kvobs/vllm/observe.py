@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingManager
@@ -31,8 +30,8 @@ def observe_with_options(manager: OffloadingManager, options: Options) -> Observ
     if isinstance(manager, ObservedOffloadingManager) or compat.is_hooked(manager):
         raise ValueError("this manager is already observed by kvobs")
     compat.check(manager)
-    if options.engine is None:
-        options = dataclasses.replace(options, engine=f"pid{os.getpid()}")
+    if options.engine is None:  # one engine, as vLLM numbers a single engine: stable across restarts
+        options = dataclasses.replace(options, engine="0")
     cpu = compat.cpu_tier_of(manager)
     observer = Observer(options, num_stamps=0 if cpu is None else compat.num_chunks(cpu))
     if options.dir is not None:

@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvobs.options import OptionError, Options, parse_options
+from kvobs.vllm import compat
 
 logger = logging.getLogger("kvobs")
 
@@ -74,7 +75,6 @@ def split_config(extra_config: Mapping[str, Any]) -> tuple[type[OffloadingSpec],
 
 def observe_or_step_aside(inner: OffloadingManager, options: Options) -> OffloadingManager:
     """``observe_with_options``, or ``inner`` itself (logged once, journaled) when kvobs cannot."""
-    from kvobs.vllm import compat
     from kvobs.vllm.observe import observe_with_options
 
     try:
@@ -89,7 +89,7 @@ def observe_or_step_aside(inner: OffloadingManager, options: Options) -> Offload
             try:
                 from kvobs.journal import announce_unobserved
 
-                announce_unobserved(options.dir, options.engine or "", compat.VLLM_VERSION, reason, str(exc))
+                announce_unobserved(options, compat.VLLM_VERSION, reason, str(exc))
             except Exception as fault:  # nothing kvobs does may stop the engine
                 logger.warning("kvobs could not say so in %s either: %r", options.dir, fault)
         return inner
@@ -113,7 +113,10 @@ class ObservedOffloadingSpec(OffloadingSpec):
         inner_config = dataclasses.replace(config, extra_config=inner_extra)
         super().__init__(inner_config)
         self.inner_spec: OffloadingSpec = inner_cls(inner_config)
-        self.kvobs_options = options
+        model_name, engine = compat.engine_labels(config)  # here: the connector's frame is the caller's
+        self.kvobs_options = dataclasses.replace(
+            options, engine=options.engine or engine, model_name=options.model_name or model_name
+        )
         # The base __init__ resets these; the connector reads the inner spec's values.
         self.replicated_layout = self.inner_spec.replicated_layout
         self.offload_prompt_only = self.inner_spec.offload_prompt_only
@@ -130,10 +133,7 @@ class ObservedOffloadingSpec(OffloadingSpec):
         """
         if self._manager is None:
             inner = self.inner_spec.get_manager()
-            options = dataclasses.replace(
-                self.kvobs_options, engine=self.kvobs_options.engine or f"dp{self.config.parallel.data_parallel_index}"
-            )
-            self._manager = observe_or_step_aside(inner, options)
+            self._manager = observe_or_step_aside(inner, self.kvobs_options)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -107,7 +107,8 @@ def _journaled_totals(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
     ingest = Ingest(directory)
     ingest.poll()
     out: dict[str, dict[str, dict[str, int]]] = {}
-    for engine, state in ingest.state.engines.items():
+    for (model_name, engine), state in ingest.state.engines.items():
+        assert model_name == "kvobs/cpu-harness"  # the harness's model path: vLLM's served name by default
         totals = {name: {k: int(v) for k, v in counts.items() if v} for name, counts in state.totals().items()}
         assert totals["errors"] == {} and totals["dropped"] == {}, (engine, totals)
         out[engine] = {name: totals[name] for name in ("evicted", "near", "failures")}

@@ -63,7 +63,7 @@ def test_chunk_wording_without_kvobs_data_says_what_the_log_tells(logs: dict[str
     out = run.stdout
     # One assertion, although the traceback also shows the assert statement's source line.
     assert out.startswith(f"1 offload assertion in {logs['bare']}\n")
-    assert "engine dp1" in out and "Chunk b'\\x00" in out
+    assert "engine 1" in out and "Chunk b'\\x00" in out
     assert "key: block hash 0000000000000000… (32 bytes), KV-cache group 0" in out
     assert "(vLLM >= 0.29): the chunk was not in the CPU tier" in out
     assert "cannot tell a coverage mismatch" in out
@@ -73,7 +73,7 @@ def test_chunk_wording_without_kvobs_data_says_what_the_log_tells(logs: dict[str
 def test_not_ready_wording_names_store_in_flight(logs: dict[str, Path]) -> None:
     run = explain(str(logs["not_ready"]))
     assert run.returncode == 0, run.stderr
-    assert "is not ready for reading' (vLLM >= 0.29)" in run.stdout and "engine dp0" in run.stdout
+    assert "is not ready for reading' (vLLM >= 0.29)" in run.stdout and "engine 0" in run.stdout
     assert "This log alone names the cause: store_in_flight." in run.stdout
 
 
@@ -83,7 +83,7 @@ def test_block_wording_of_older_vllm(logs: dict[str, Path], tmp_path: Path) -> N
                    .replace("EngineCore_DP1", "EngineCore_0"))
     run = explain(str(old))
     assert run.returncode == 0, run.stderr
-    assert "'Block ... not found in cache' (vLLM <= 0.28)" in run.stdout and "engine dp0" in run.stdout
+    assert "'Block ... not found in cache' (vLLM <= 0.28)" in run.stdout and "engine 0" in run.stdout
 
 
 def test_kvobs_message_in_the_log_and_its_directory(logs: dict[str, Path]) -> None:

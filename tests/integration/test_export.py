@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client.parser import text_string_to_metric_families
 from services import ROOT, OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
 from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
@@ -123,10 +125,14 @@ def test_crashed_engines_evidence_survives_and_two_engines_are_labelled_apart(
         assert b"cause: evicted_after_lookup" in outputs[0][1]
         assert engines[1].returncode == 0, outputs[1][1].decode()[-2000:]
 
-        def metric(text: str, name: str) -> float | None:
-            for line in text.splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[-1])
+        def metric(text: str, series: str) -> float | None:
+            """The value of the one sample ``series`` (PromQL-style selector, exact labels) selects."""
+            name, _, selector = series.partition("{")
+            want = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == name and {k: sample.labels.get(k) for k in want} == want:
+                        return float(sample.value)
             return None
 
         def final_values() -> tuple[float | None, ...]:

@@ -51,7 +51,8 @@ def test_the_plugin_steps_aside_and_vllm_runs_as_without_kvobs(
     ingest.poll()
     families = {family.name: family for family in KvobsCollector(ingest).collect()}
     [sample] = families["kvobs_observing"].samples
-    assert (sample.labels, sample.value) == ({"engine": "dp0", "reason": "unsupported_vllm"}, 0)
+    labels = {"model_name": "kvobs-test", "engine": "dp0", "reason": "unsupported_vllm"}
+    assert (sample.labels, sample.value) == (labels, 0)
 
 
 def test_observe_called_directly_names_what_it_does_not_know(managers: list[Any]) -> None:
@@ -69,4 +70,4 @@ def test_an_observed_engine_says_it_observes(tmp_path: Path) -> None:
     ingest.poll()
     families = {family.name: family for family in KvobsCollector(ingest).collect()}
     [sample] = families["kvobs_observing"].samples
-    assert (sample.labels, sample.value) == ({"engine": "dp0", "reason": "ok"}, 1)
+    assert (sample.labels, sample.value) == ({"model_name": "kvobs-test", "engine": "dp0", "reason": "ok"}, 1)

@@ -85,7 +85,7 @@ def test_a_promotion_after_a_deferred_lookup_evicts_a_counted_hit(tmp_path: Path
     # The failure reached the sidecar: its report, and the counters.
     ingest = Ingest(tmp_path / "kvobs")
     ingest.poll()
-    engine = ingest.state.engines["dp0"]
+    engine = ingest.state.engines[("kvobs/cpu-harness", "dp0")]  # the harness's model path, as vLLM names it
     assert engine.totals()["failures"]["evicted_after_lookup"] == 1
     assert engine.missing == {("evicted_after_lookup", "0"): 1}
     families = {family.name: family for family in KvobsCollector(ingest).collect()}

@@ -68,7 +68,10 @@ def test_default_engine_label_is_the_dp_rank(dp_index: int) -> None:
     manager = spec.get_manager()
     try:
         assert isinstance(manager, ObservedOffloadingManager)
-        assert manager.observer.options.engine == f"dp{dp_index}"  # rank 3 too: not a fixed "dp0"
+        # vLLM's own labels (vllm/v1/metrics/loggers.py): the DP index as a number, the served model
+        # (here the model path: the config built outside a connector names no served model).
+        assert manager.observer.options.engine == str(dp_index)  # rank 3 too: not a fixed "0"
+        assert manager.observer.options.model_name == "kvobs-test"
     finally:
         manager.shutdown()
 

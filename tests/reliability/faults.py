@@ -120,7 +120,7 @@ def engine_totals(directory: Path, engine: str) -> dict[str, dict[str, float]]:
 
     ingest = Ingest(directory)
     ingest.poll()
-    return ingest.state.engines[engine].totals() | {"corrupt": {"lines": sum(ingest.state.skipped.values())}}
+    return ingest.state.engines[("", engine)].totals() | {"corrupt": {"lines": sum(ingest.state.skipped.values())}}
 
 
 @contextmanager

@@ -53,7 +53,7 @@ def test_a_failed_load_of_many_keys_is_reported_whole(tmp_path: Path) -> None:
     assert path.stat().st_size < MAX_REPORT_BYTES / 4
     ingest = Ingest(directory)
     ingest.poll()
-    engine = ingest.state.engines["e0"]
+    engine = ingest.state.engines[("", "e0")]
     assert sum(ingest.state.skipped.values()) == 0
     assert engine.missing == {("reset_after_lookup", "0"): KEYS}
     assert sum(engine.missing_age["0"].counts) == KEYS

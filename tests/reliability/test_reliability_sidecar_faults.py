@@ -38,6 +38,9 @@ def scrape(url: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """A series's value; an engine's series also carries ``model_name`` (none served here)."""
+    if "engine" in labels:
+        labels = {"model_name": "", **labels}
     return samples.get((name, frozenset(labels.items())))
 
 
@@ -95,7 +98,8 @@ def test_sidecar_absent_killed_and_restarted_mid_run_ends_exact(tmp_path: Path) 
         sidecar.proc.kill()  # SIGKILL: no checkpoint on the way out
         sidecar.proc.wait(timeout=10)
         saved = json.loads(checkpoint.read_text())
-        saved_residency = sum(sum(h["counts"]) for h in saved["engines"]["e0"]["residency"].values())
+        e0 = next(e for e in saved["engines"] if e["engine"] == "e0")
+        saved_residency = sum(sum(h["counts"]) for h in e0["residency"].values())
         assert saved_residency > 0 and any(offset > 0 for offset, _ in saved["positions"].values())
         time.sleep(1.0)
         sidecar = Sidecar(directory).start()  # restarts from that checkpoint

@@ -58,7 +58,8 @@ def skipped(values: dict[Any, float], source: str, reason: str) -> float:
 
 
 def evicted(values: dict[Any, float], engine: str) -> float:
-    return values[("kvobs_evicted_chunks_total", frozenset({("engine", engine), ("reason", "capacity")}))]
+    return values[("kvobs_evicted_chunks_total", frozenset({("model_name", ""), ("engine", engine),
+                                                             ("reason", "capacity")}))]
 
 
 def serve(directory: Path, *, without_file_override: bool = False) -> tuple[subprocess.Popen[str], str]:
@@ -152,7 +153,7 @@ def test_numbers_no_float_can_hold_are_skipped_not_saved_and_not_served(tmp_path
     restarted = Ingest(directory)  # the checkpoint reads back, trusted
     assert evicted(metrics(restarted), "e0") == 4
     checkpoint = json.loads(saved)
-    checkpoint["engines"]["e0"]["retired"] = {"evicted": {"capacity": 1e300}}
+    next(e for e in checkpoint["engines"] if e["engine"] == "e0")["retired"] = {"evicted": {"capacity": 1e300}}
     (directory / CHECKPOINT).write_text(json.dumps(checkpoint))
     distrusted = Ingest(directory)  # a checkpoint with a number it cannot hold is not restored
     distrusted.poll()
@@ -210,5 +211,5 @@ def test_an_over_long_line_is_one_skipped_record(tmp_path: Path) -> None:
         ingest.poll()
     values = metrics(ingest)
     assert skipped(values, "journal", "corrupt") == 1
-    assert ("kvobs_build_info", frozenset({("engine", "e7"), ("version", ""), ("vllm_version", ""),
+    assert ("kvobs_build_info", frozenset({("model_name", ""), ("engine", "e7"), ("version", ""), ("vllm_version", ""),
                                            ("hot_path", "")})) in values  # the line after it is read

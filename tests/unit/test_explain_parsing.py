@@ -21,7 +21,7 @@ def _find(text: bytes) -> list:
 
 def test_decodes_key_engine_and_time() -> None:
     [entry] = _find(LINE.encode() + b"\n")
-    assert (entry.key, entry.engine, entry.log_time, entry.state) == (KEY, "dp2", "11-29 10:00:00", "missing")
+    assert (entry.key, entry.engine, entry.log_time, entry.state) == (KEY, "2", "11-29 10:00:00", "missing")
     assert entry.key_ref == "0707070707070707/3" and entry.vllm_text == f"Chunk {KEY!r} not found in cache"
 
 
@@ -43,7 +43,7 @@ def test_ansi_colours_and_older_process_names() -> None:
     line = b"\x1b[1;36m(EngineCore_0 pid=271)\x1b[0;0m ERROR 09-21 17:33:21 [core.py:714] AssertionError: Block 1234 " \
            b"is not ready for reading\n"
     [entry] = _find(line)
-    assert (entry.noun, entry.key, entry.key_text, entry.engine, entry.state) == ("Block", None, "1234", "dp0",
+    assert (entry.noun, entry.key, entry.key_text, entry.engine, entry.state) == ("Block", None, "1234", "0",
                                                                                   "not_ready")
     assert "not a bytes key" in render([entry], 0, False, "x")
 
@@ -104,4 +104,4 @@ def test_json_inside_json_is_decoded_to_the_same_key() -> None:
     """Docker's json-file around vLLM's JSON formatter: the key's escapes are undone twice."""
     inner = json.dumps({"message": "fatal", "exc_info": f"Traceback ...\n{LINE}\n"})
     [entry] = _find(json.dumps({"log": inner + "\n", "stream": "stderr"}).encode() + b"\r\n")
-    assert (entry.key, entry.engine) == (KEY, "dp2")
+    assert (entry.key, entry.engine) == (KEY, "2")

@@ -1,12 +1,10 @@
 """Two observed managers with one engine name in one process (`kvobs.observe()` twice, both with the
-default `engine=pid<pid>`) each keep their own journal segments: neither rotates the other's away."""
+default `engine="0"`) each keep their own journal segments: neither rotates the other's away."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import pytest
 
 from kvobs import journal
 from kvobs.journal import JournalSink
@@ -15,15 +13,12 @@ from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
 
 
-def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(journal, "SEGMENT_BYTES", 4096)  # roll every few flushes
+def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(tmp_path: Path) -> None:
     directory = tmp_path / "kvobs"
     ingest = Ingest(directory)
     writers = []
     for _ in range(2):
-        observer = Observer(Options(dir=str(directory), engine="e0"))
+        observer = Observer(Options(dir=str(directory), engine="e0", journal_bytes=4 * 4096))  # roll often
         sink = JournalSink(directory, observer)
         observer.add_sink(sink)
         writers.append((observer, sink))
@@ -37,7 +32,7 @@ def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(
     for _, sink in writers:
         sink.close()
     ingest.poll()
-    assert ingest.state.engines["e0"].totals()["evicted"]["capacity"] == 1200
+    assert ingest.state.engines[("", "e0")].totals()["evicted"]["capacity"] == 1200
     stems = {p.name.rsplit(".", 2)[0] for p in (directory / "journal").glob("*.jsonl")}
     assert stems == {f"e0-{os.getpid()}", f"e0-{os.getpid()}_1"}
     assert len(list((directory / "journal").glob("*.jsonl"))) <= 2 * journal.KEEP_SEGMENTS
