@@ -10,7 +10,7 @@ server's stat logger does with the stats EngineCore sends it.
 Simulated (the GPU worker cannot run here): the worker's job-completion reports, and the
 transfer statistics in them (per job: one chunk's bytes loaded, two stored; 1 ms each).
 
-Usage: python vllm_metrics_process.py PORT
+Usage: python vllm_metrics_process.py PORT [KVOBS_DIR]  (with KVOBS_DIR, kvobs journals there for a sidecar)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     extra = {
         "spec_name": "ObservedOffloadingSpec",
         "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": "TieringOffloadingSpec"},
+        "kvobs": {"inner_spec": "TieringOffloadingSpec", **({"dir": sys.argv[2]} if len(sys.argv) > 2 else {})},
         "secondary_tiers": [{"type": "FlakyTier", "module_path": "flaky_tier"}],
         "tier_poll_interval_s": 0,
     }
