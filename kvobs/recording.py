@@ -3,7 +3,7 @@
 One source, two forms. ``pip install`` compiles ``kvobs/_recording.py`` with mypyc where a C
 compiler is present (setup.py); the compiled module then shadows the source. Where it was
 not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same source runs as plain Python,
-with the same behaviour at about 1.1x instead of 1.03x the bare manager's CPU
+with the same behaviour at about 1.1x instead of 1.08x the bare manager's CPU
 (docs/performance.md). ``HOT_PATH`` says which form runs (``kvobs_build_info`` exports it);
 the fallback says so once in the log.
 """

@@ -1,7 +1,7 @@
 """``kvobs demo``: kvobs explaining failed loads on vLLM 0.33.0's real offloading stack, on CPU.
 
 Starts the sidecar, serves traffic through the real ``OffloadingConnectorScheduler`` and the
-``ObservedOffloadingSpec`` plugin on two engines (CPU spec, tiering spec; see
+``ObservedOffloadingSpec`` plugin on three engines (a CPU spec; tiering with vLLM's file tier, twice; see
 ``kvobs.demo.workload`` for what happens there and what is injected), prints each
 explanatory message as it happens, and ends with a summary and where to look.
 """
