@@ -55,13 +55,19 @@ prometheus:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-# The docker/ tests validate docker/compose.yaml with Debian's docker-compose (1.29, no engine needed).
+# The docker/ tests validate docker/compose.yaml with Debian's docker-compose (1.29, no engine needed)
+# and docker/alertmanager/alertmanager.yml with amtool (Debian's prometheus-alertmanager ships it).
 tools: prometheus
 	@command -v docker-compose >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; }
 	@docker-compose version 2>&1 | head -1
+	@command -v amtool >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
+	@amtool --version 2>&1 | head -1
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvobs tests benchmarks

@@ -1,10 +1,11 @@
 """Dashboards and rules against a real Prometheus fed by a real workload.
 
 vLLM 0.33.0's real managers (CPU and tiering) run under kvobs with ``dir=`` a temporary directory;
-a real sidecar (``kvobs serve``) exports the result; Debian's Prometheus scrapes it with the
-``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``model`` and ``instance``
-labels) and loads the shipped rule files. Then every query of every dashboard panel, with its
-variables substituted as Grafana would, must return data from Prometheus's HTTP API.
+a real sidecar (``kvobs serve``) exports the result, each engine's series labelled with
+``model_name`` and ``engine`` as vLLM labels its own; Debian's Prometheus scrapes it with the
+``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``instance`` label) and loads the
+shipped rule files. Then every query of every dashboard panel, with its variables substituted as
+Grafana would, must return data from Prometheus's HTTP API.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ CAUSES_PRODUCED = {"evicted_after_lookup", "coverage_mismatch", "reset_after_loo
 # vLLM's own vllm:kv_offload_* series come from vllm_metrics_process.py: the real connector
 # scheduler's stats recorded by vLLM's own KVConnectorProm (the API server itself needs a GPU).
 VLLM_METRICS = Path(__file__).parent / "vllm_metrics_process.py"
+
+
+def served_model() -> str:
+    """The model_name vllm_metrics_process.py labels vLLM's series with (its engine is "0")."""
+    match = re.search(r'^MODEL = "([^"]+)"$', VLLM_METRICS.read_text(), re.M)
+    assert match is not None
+    return match[1]
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -149,12 +157,14 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
     sidecar = Sidecar(directory).start()
     config = scrape_config(sidecar.port, vllm_port)
     labels = config["scrape_configs"][0]["static_configs"][0]["labels"]
-    model, instance = labels["model"], labels["instance"]
+    assert "model" not in labels and "model_name" not in labels  # the sidecar carries it now
+    model, instance = served_model(), labels["instance"]
     prometheus = ShippedPrometheus(tmp_path / "prom", config).start()
     started = time.monotonic()
     try:
-        cpu = kvobs.observe(create_manager(cpu_extra(4)), dir=str(directory), engine="dp0")
-        tier = kvobs.observe(create_manager(tiering_extra(1)), dir=str(directory), engine="dp1")
+        # vLLM's engine indexes and served model name, as the plugin reads them under vLLM.
+        cpu = kvobs.observe(create_manager(cpu_extra(4)), dir=str(directory), engine="0", model_name=model)
+        tier = kvobs.observe(create_manager(tiering_extra(1)), dir=str(directory), engine="1", model_name=model)
         managers.extend((cpu, tier))
         # Prometheus sees both engines' zeros before the workload, so rates and increases see it happen.
         wait_for(lambda: len(prometheus.query('kvobs_load_failures_total{cause="unknown"}')) == 2,
@@ -171,9 +181,17 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                  what="six scrapes of vLLM's offload series")
 
         # The labels the dashboards rely on came through the shipped scrape config.
-        (build,) = prometheus.query('kvobs_build_info{engine="dp0"}')
-        assert build["metric"]["model"] == model and build["metric"]["instance"] == instance
+        (build,) = prometheus.query('kvobs_build_info{engine="0"}')
+        assert build["metric"]["model_name"] == model and build["metric"]["instance"] == instance
         assert build["metric"]["job"] == "kvobs"
+        # kvobs's and vLLM's series of engine 0 join on vLLM's own labels.
+        joined = prometheus.query('kvobs_build_info * on (model_name, engine) group_left '
+                                  'max by (model_name, engine) ({__name__=~"vllm[:_]kv_offload_cpu_cache_usage_perc"})')
+        assert [r["metric"]["engine"] for r in joined] == ["0"]
+        # The sidecar's own series carry neither label; no engine series is the sidecar's.
+        assert all(set(r["metric"]).isdisjoint({"model_name", "engine"})
+                   for r in prometheus.query('{__name__=~"kvobs_sidecar_.*"}'))
+        assert {r["metric"]["engine"] for r in prometheus.query("kvobs_build_info")} == {"0", "1"}
 
         # Recording rules evaluate (every 1 s here), alerting rules fire on the real series.
         recorded = [r["record"] for g in yaml.safe_load((RULES / "kvobs-recording.yaml").read_text())["groups"]
@@ -188,26 +206,31 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
             what="KvobsLoadFailure for each cause",
         )
         assert firing
-        assert prometheus.query('ALERTS{alertname="KvobsSidecarDown"}') == []
+        assert prometheus.query('ALERTS{alertname=~"KvobsSidecarDown|KvobsSidecarAbsent"}') == []
 
         # Grafana's $__rate_interval is max(4 x scrape interval, $__interval + scrape interval); the
         # window here is that at least, and long enough to hold the whole workload.
         window = max(4, math.ceil(time.monotonic() - started) + 2)
+        # cluster: "All" (this Prometheus adds no cluster label); job: single-select, the sidecar's job.
+        # vllm_metrics_process.py runs one vLLM engine ("0"): with engine "1" only vLLM's panels may be empty.
+        everything = {"cluster": ".*", "job": "kvobs"}
         variable_sets = [
-            {"model": ".*", "instance": ".*", "engine": ".*"},  # "All"
-            {"model": model, "instance": instance, "engine": "dp0"},
-            {"model": model, "instance": instance, "engine": "dp1"},
+            {**everything, "model_name": ".*", "instance": ".*", "engine": ".*"},  # "All"
+            {**everything, "model_name": model, "instance": instance, "engine": "0"},
+            {**everything, "model_name": model, "instance": instance, "engine": "1"},
         ]
         checked, vllm_queries, empty = 0, 0, []
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())
             for variables in variable_sets:
-                values = {**variables, "datasource": "", "__rate_interval": f"{window}s"}
+                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": f"{window}s"}
                 for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
                     match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
                     assert match is not None
                     found = prometheus.query(f"group by ({match[2]}) ({substitute(match[1], values)})")
                     assert {r["metric"].get(match[2]) for r in found} >= {variables[var["name"]]} - {".*"}, var
+                    if var["name"] != "cluster":
+                        assert all(r["metric"].get(match[2]) for r in found), var  # no empty value offered
                     assert found, var["name"]
                 for where, expr in panel_queries(dashboard):
                     query = substitute(expr, values)
@@ -215,6 +238,8 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                     result = prometheus.query(query)
                     checked += 1
                     if not result:
+                        if "vllm[:_]" in query and variables["engine"] == "1":
+                            continue  # no vLLM engine 1 in vllm_metrics_process.py
                         empty.append(f"{path.name} {where} {variables}: {query}")
                     elif variables["engine"] == ".*" and all(math.isnan(float(r["value"][1])) for r in result):
                         empty.append(f"{path.name} {where}: only NaN: {query}")

@@ -1,5 +1,7 @@
-"""docker/: the Dockerfiles lint clean, the compose file is valid for docker-compose 1.29, the Kubernetes
-example is consistent, and the sidecar image's command line runs the sidecar.
+"""docker/: the Dockerfiles lint clean, the compose file is valid for docker-compose 1.29 (and its
+Alertmanager and OpenTelemetry Collector configurations hold together), the Kubernetes example is
+consistent with the images, and the sidecar image's command line runs the sidecar.
+(tests/unit/test_k8s_manifests.py validates the Kubernetes objects themselves.)
 
 No Docker engine here: nothing is built or run in a container. The image's ENTRYPOINT + CMD and its
 HEALTHCHECK are run as they are written, in the venv (where ``kvobs`` and ``python`` are on PATH as in
@@ -167,7 +169,7 @@ def compose_config() -> dict[str, Any]:
 
 def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None:
     services = compose_config()["services"]
-    assert set(services) == {"vllm", "kvobs", "prometheus", "grafana", "jaeger"}
+    assert set(services) == {"vllm", "kvobs", "prometheus", "alertmanager", "grafana", "otel-collector", "jaeger"}
     vllm, sidecar = services["vllm"], services["kvobs"]
 
     def mounts(service: dict[str, Any]) -> dict[str, str]:
@@ -181,11 +183,6 @@ def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None
     assert sidecar["build"]["dockerfile"] == "docker/Dockerfile"
     assert vllm["command"][0] == "Qwen/Qwen3-0.6B"  # ${MODEL:-...} with MODEL empty
     check_transfer_config(option_after(vllm["command"], "--kv-transfer-config"))
-    # Traces: kvobs (OTEL_*) and vLLM (--otlp-traces-endpoint) to the tracing backend, same protocol.
-    assert vllm["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-    assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
-    assert option_after(vllm["command"], "--otlp-traces-endpoint") == "http://jaeger:4317"
-    assert {p["target"] for p in services["jaeger"]["ports"]} >= {4317, 4318, 16686}
     # Prometheus gets the shipped config and rules; its targets are the compose services.
     prom = mounts(services["prometheus"])
     assert Path(prom["/etc/prometheus/prometheus.yml"]) == DOCKER / "prometheus" / "prometheus.yml"
@@ -194,6 +191,11 @@ def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None
     targets = {j["job_name"]: j["static_configs"][0]["targets"][0] for j in scrape["scrape_configs"]}
     assert targets == {"kvobs": f"kvobs:{IMAGE_PORT}", "vllm": "vllm:8000"}
     assert scrape["rule_files"] == ["/etc/prometheus/rules/*.yaml"]
+    # No scrape-time model label any more: model_name and engine come from the targets themselves.
+    for job in scrape["scrape_configs"]:
+        for static in job["static_configs"]:
+            assert not {"model", "model_name", "engine"} & set(static.get("labels", {})), job["job_name"]
+        assert "relabel_configs" not in job and "metric_relabel_configs" not in job
     # Grafana gets the provisioning files and the dashboards at the provider's path.
     grafana = mounts(services["grafana"])
     provider = yaml.safe_load(next((ROOT / "dashboards/provisioning/dashboards").glob("*.yaml")).read_text())
@@ -201,6 +203,73 @@ def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None
     assert Path(grafana["/etc/grafana/provisioning/datasources"]) == ROOT / "dashboards/provisioning/datasources"
     datasources = yaml.safe_load(next((ROOT / "dashboards/provisioning/datasources").glob("*.yaml")).read_text())
     assert "http://prometheus:9090" in [d["url"] for d in datasources["datasources"]]
+
+
+def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
+    services = compose_config()["services"]
+    manager = services["alertmanager"]
+    config_flag = next(a for a in manager["command"] if a.startswith("--config.file="))
+    mounted = {m.split(":")[1]: m.split(":")[0] for m in manager["volumes"]}
+    config_file = Path(mounted[config_flag.split("=", 1)[1]])
+    assert config_file == DOCKER / "alertmanager" / "alertmanager.yml"
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    (alertmanagers,) = scrape["alerting"]["alertmanagers"]
+    host, port = alertmanagers["static_configs"][0]["targets"][0].split(":")
+    assert host == "alertmanager" and {p["target"] for p in manager["ports"]} == {int(port)}
+    assert "alertmanager" in services["prometheus"]["depends_on"]
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool is missing: `make tools` installs Debian's prometheus-alertmanager (which ships it)"
+    checked = subprocess.run([amtool, "check-config", str(config_file)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    # Notifications are grouped per engine and never merge clusters (the labels the alerts keep).
+    config = yaml.safe_load(config_file.read_text())
+    assert {"cluster", "namespace", "model_name", "engine"} <= set(config["route"]["group_by"])
+    assert "model" not in config["route"]["group_by"]
+    alert_names = {r["alert"] for g in yaml.safe_load((ROOT / "dashboards/rules/kvobs-alerts.yaml").read_text())[
+        "groups"] for r in g["rules"]}
+    for rule in config.get("inhibit_rules", []):
+        for matcher in rule["source_matchers"] + rule["target_matchers"]:
+            if matcher.startswith("alertname="):
+                assert matcher.split("=", 1)[1].strip('"') in alert_names, matcher
+    # A routed amtool test: a load failure goes to the critical receiver, a warning to the default.
+    for labels, receiver in ((["severity=critical", "alertname=KvobsLoadFailure"], "kvobs-critical"),
+                             (["severity=warning", "alertname=KvobsSidecarAbsent"], "kvobs-warning")):
+        routed = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config_file}", *labels],
+                                capture_output=True, text=True, timeout=60)
+        assert routed.stdout.strip() == receiver, routed.stdout + routed.stderr
+
+
+def test_compose_traces_go_through_the_otel_collector_to_jaeger() -> None:
+    services = compose_config()["services"]
+    vllm, collector = services["vllm"], services["otel-collector"]
+    # kvobs (OTEL_*) and vLLM (--otlp-traces-endpoint) send OTLP/gRPC to the collector.
+    assert vllm["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+    assert option_after(vllm["command"], "--otlp-traces-endpoint") == "http://otel-collector:4317"
+    assert {p["target"] for p in collector["ports"]} >= {4317, 4318}
+    mounted = {m.split(":")[1]: m.split(":")[0] for m in collector["volumes"]}
+    config_flag = next(a for a in collector["command"] if a.startswith("--config="))
+    config_file = Path(mounted[config_flag.split("=", 1)[1]])
+    assert config_file == DOCKER / "otel-collector" / "config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    # No collector binary here: the configuration is checked by how its parts refer to each other.
+    pipelines = config["service"]["pipelines"]
+    assert "traces" in pipelines
+    for name, pipeline in pipelines.items():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in config[kind], f"pipeline {name}: {kind[:-1]} {component} is not configured"
+    for extension in config["service"].get("extensions", []):
+        assert extension in config["extensions"]
+    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert grpc.endswith(":4317") and not grpc.startswith(("127.0.0.1", "localhost"))  # reachable from vllm
+    # The traces reach Jaeger, which now only listens (its OTLP port is not published).
+    exporters = [config["exporters"][e] for e in pipelines["traces"]["exporters"]]
+    assert any(e.get("endpoint") == "jaeger:4317" for e in exporters)
+    assert pipelines["traces"]["processors"][0] == "memory_limiter"  # first, as the collector's docs require
+    jaeger = services["jaeger"]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert {p["target"] for p in jaeger["ports"]} == {16686}
 
 
 def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
@@ -219,29 +288,25 @@ def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
     ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
     assert ports["kvobs-metrics"] == int(IMAGE_PORT)
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # No model annotation any more: the labels come from the sidecar.
+    assert not deployment["spec"]["template"]["metadata"].get("annotations")
 
     monitor = yaml.safe_load((DOCKER / "k8s" / "podmonitor.yaml").read_text())
-    assert monitor["kind"] == "PodMonitor"
     labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    annotation = next(iter(deployment["spec"]["template"]["metadata"]["annotations"]))
-    meta = "__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", annotation)
-    jobs = {}
-    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
-        assert endpoint["port"] in ports
-        relabel = {r["targetLabel"]: r for r in endpoint["relabelings"]}
-        jobs[relabel["job"]["replacement"]] = endpoint["port"]
-        assert relabel["model"]["sourceLabels"] == [meta]
-        assert relabel["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_name"]
-    assert jobs == {"kvobs": "kvobs-metrics", "vllm": "http"}
+    jobs = {e["port"]: next(r["replacement"] for r in e["relabelings"] if r["targetLabel"] == "job")
+            for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert jobs == {"kvobs-metrics": "kvobs", "http": "vllm"}
 
     # Debian's promtool is built without Kubernetes discovery, so this file is checked by structure.
     plain = yaml.safe_load((DOCKER / "k8s" / "prometheus-scrape.yaml").read_text())
+    assert {job["job_name"] for job in plain["scrape_configs"]} == set(jobs.values())
+    port_of = {job: port for port, job in jobs.items()}
     for job in plain["scrape_configs"]:
         keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
-        assert keep["regex"] == f"{labels['app.kubernetes.io/name']};{jobs[job['job_name']]}"
-        assert {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}[
-            "model"] == [meta]
+        assert keep["regex"] == f"{labels['app.kubernetes.io/name']};{port_of[job['job_name']]}"
+        targets = {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}
+        assert targets["instance"] == ["__meta_kubernetes_pod_name"]
+        assert not {"model", "model_name", "engine"} & set(targets)
 
 
 def build_context(destination: Path) -> Path:

@@ -16,7 +16,16 @@ DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 RULES = ROOT / "dashboards" / "rules"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 GRAFANA_BUILTIN = {"type": "grafana", "uid": "-- Grafana --"}  # the built-in annotation source, no real uid
-VARIABLES = ("datasource", "model", "instance", "engine")
+VARIABLES = ("datasource", "cluster", "job", "model_name", "instance", "engine")
+# The selectors each kind of series must carry (tests below): kvobs's per-engine series (and the recorded
+# ones) every variable; the sidecar's own series (kvobs_sidecar_*, up) no model_name or engine, since the
+# sidecar carries neither (kvobs/sidecar/metrics.py); vLLM's series no $job (vLLM has its own scrape job).
+ENGINE_MATCHERS = ('cluster=~"$cluster"', 'job="$job"', 'instance=~"$instance"', 'model_name=~"$model_name"',
+                   'engine=~"$engine"')
+SIDECAR_MATCHERS = ('cluster=~"$cluster"', 'job="$job"', 'instance=~"$instance"')
+VLLM_MATCHERS = ('cluster=~"$cluster"', 'instance=~"$instance"', 'model_name=~"$model_name"', 'engine=~"$engine"')
+IDENTITY = ("cluster", "namespace", "job", "instance", "model_name", "engine")
+"""The labels every aggregation of the rules keeps (cluster/namespace: a global view never merges clusters)."""
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -40,11 +49,17 @@ def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from panel.get("panels", [])
 
 
-def exprs(dashboard: dict[str, Any]) -> Iterator[str]:
-    """Every PromQL expression: panel targets and annotations."""
+def targets(dashboard: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(panel, target) for every panel target."""
     for panel in panels(dashboard):
         for target in panel.get("targets", []):
-            yield target["expr"]
+            yield panel, target
+
+
+def exprs(dashboard: dict[str, Any]) -> Iterator[str]:
+    """Every PromQL expression: panel targets and annotations."""
+    for _, target in targets(dashboard):
+        yield target["expr"]
     for annotation in dashboard["annotations"]["list"]:
         if "expr" in annotation:
             yield annotation["expr"]
@@ -127,7 +142,7 @@ def test_datasource_is_the_variable_everywhere_and_no_uid_is_hard_coded(path: Pa
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
-def test_variables_datasource_model_instance_engine(path: Path) -> None:
+def test_variables_datasource_cluster_job_model_name_instance_engine(path: Path) -> None:
     variables = load(path)["templating"]["list"]
     assert [v["name"] for v in variables] == list(VARIABLES)
     source = variables[0]
@@ -136,25 +151,36 @@ def test_variables_datasource_model_instance_engine(path: Path) -> None:
     for var in variables[1:]:
         query = var["query"]
         assert var["type"] == "query" and var["datasource"] == DS
-        match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", query)
-        assert match is not None and match.group(3) == var["name"], query
-        assert set(re.findall(r"\$(\w+)", query)) <= defined, f"{var['name']} uses a later variable: {query}"
-        assert var["includeAll"] and var["multi"] and var["allValue"] == ".*"
+        # Every value comes from the engines' kvobs_build_info: no sidecar pseudo-engine, no vLLM-only model.
+        match = re.fullmatch(r"label_values\(kvobs_build_info(\{.*\})?, (\w+)\)", query)
+        assert match is not None and match.group(2) == var["name"], query
+        assert set(re.findall(r"\$(\w+)", query)) == defined - {"datasource"}, f"{var['name']} does not follow: {query}"
+        if var["name"] == "job":  # one sidecar job at a time: the selectors read job="$job"
+            assert not var["includeAll"] and not var["multi"]
+        elif var["name"] == "cluster":  # All matches series without the label too (a single Prometheus)
+            assert var["includeAll"] and not var["multi"] and var["allValue"] == ".*"
+        else:
+            assert var["includeAll"] and var["multi"] and var["allValue"] == ".*"
         defined.add(var["name"])
+    assert "model" not in defined
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_rate_uses_rate_interval_and_every_quantile_sums_by_le(path: Path) -> None:
+    """Windows are $__rate_interval; an instant query (a stat's one number) may take the range, $__range."""
     dashboard = load(path)
     all_exprs = list(exprs(dashboard))
     assert len(all_exprs) > 30
+    instant = {t["expr"] for _, t in targets(dashboard) if t.get("instant") and not t.get("range")}
     quantiles = 0
-    for expr in map(without_vllm_name_regex, all_exprs):
+    for raw in all_exprs:
+        expr = without_vllm_name_regex(raw)
+        windows = ("$__rate_interval", "$__range") if raw in instant else ("$__rate_interval",)
         for window in re.findall(r"\[([^\]]*)\]", expr):
-            assert window == "$__rate_interval", expr
+            assert window in windows, expr
         for func in ("rate", "increase", "irate", "delta", "deriv"):
             for args in call_args(expr, func):
-                assert args[0].endswith("[$__rate_interval]"), expr
+                assert args[0].endswith(tuple(f"[{w}]" for w in windows)), expr
         for args in call_args(expr, "histogram_quantile"):
             quantiles += 1
             by = re.match(r"sum by \(([^)]*)\) \(", args[1])
@@ -165,24 +191,32 @@ def test_every_rate_uses_rate_interval_and_every_quantile_sums_by_le(path: Path)
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_series_follows_the_variables(path: Path) -> None:
-    """Each selector filters by $model and $instance; kvobs's per-engine series also by $engine."""
+    """kvobs's per-engine series follow every variable, the sidecar's own its job and instance, vLLM's
+    the same model_name and engine (vLLM's own labels, which kvobs's series now carry too)."""
     recorded = recorded_names()
-    no_engine = {"up", "kvobs_sidecar_engines", "kvobs_sidecar_records_total",
-                 "kvobs_sidecar_last_poll_timestamp_seconds"}
+    kinds = set()
     for expr in exprs(load(path)):
         # vLLM's series are read under both spellings (see VLLM_SELECTOR), never as plain vllm:name.
         assert "vllm:" not in VLLM_SELECTOR.sub("", expr), expr
+        assert not re.search(r"\bmodel\s*[=!]", expr), f"the obsolete model label in {expr}"
         found = list(selectors(expr))
         assert found, expr
         for name, matchers in found:
             assert matchers is not None, f"{name} without a label selector in {expr}"
-            assert 'model=~"$model"' in matchers and 'instance=~"$instance"' in matchers, expr
+            given = [m.strip() for m in matchers.split(",")]
             if name.startswith("vllm:"):
-                assert "$engine" not in matchers  # vLLM's engine label is an index, not kvobs's dp<rank>
-            elif name not in no_engine:
-                assert 'engine=~"$engine"' in matchers, expr
+                kind, wanted = "vllm", VLLM_MATCHERS
+                assert not any(m.startswith("job") for m in given), expr  # vLLM's job is not the sidecar's
+            elif name == "up" or name.startswith("kvobs_sidecar_"):
+                kind, wanted = "sidecar", SIDECAR_MATCHERS
+                assert not any(m.startswith(("model_name", "engine")) for m in given), expr  # it has neither
+            else:
+                kind, wanted = "engine", ENGINE_MATCHERS
+            kinds.add(kind)
+            assert given[:len(wanted)] == list(wanted) or set(wanted) <= set(given), (wanted, expr)
             if ":" in name and not name.startswith("vllm:"):
                 assert name in recorded, f"{name} is not a recording rule of kvobs-recording.yaml"
+    assert kinds == {"vllm", "sidecar", "engine"}
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -209,8 +243,28 @@ def test_the_panels_operators_need_are_there(path: Path) -> None:
     ids = [p["id"] for p in panels(dashboard)]
     assert len(ids) == len(set(ids))
     assert all(p.get("title") for p in panels(dashboard))
-    used = set().union(*(recorded_names() & {n for n, _ in selectors(e)} for e in exprs(dashboard)))
-    assert used, "the dashboard reads no recording rule"
+    # The top panels show data without the recording rules; any other panel reading one says so.
+    overview, row = set(), None
+    for panel in dashboard["panels"]:
+        row = panel["title"] if panel["type"] == "row" else row
+        if row == "Overview" and panel["type"] != "row":
+            overview.add(panel["id"])
+    assert len(overview) >= 6
+    reading_rules = 0
+    for panel in panels(dashboard):
+        used = recorded_names() & {n for t in panel.get("targets", []) for n, _ in selectors(t["expr"])}
+        if used:
+            reading_rules += 1
+            assert panel["id"] not in overview, f"top panel {panel['title']!r} needs the recording rules"
+            assert "kvobs-recording.yaml" in panel["description"] and all(n in panel["description"] for n in used)
+    assert reading_rules >= 1  # the recording rules are used, and the check above is not vacuous
+
+
+def duration_s(text: str) -> int:
+    """A Prometheus duration of one unit (5m, 1h, 30s) in seconds."""
+    match = re.fullmatch(r"(\d+)([smhd])", text)
+    assert match is not None, text
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 def test_alerts_follow_the_mixin_conventions() -> None:
@@ -218,7 +272,7 @@ def test_alerts_follow_the_mixin_conventions() -> None:
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names))
     for required in ("KvobsLoadFailure", "KvobsNearMissesRising", "KvobsHistoryWindowTooShort",
-                     "KvobsSidecarDown", "KvobsRecordsDropped"):
+                     "KvobsSidecarDown", "KvobsSidecarAbsent", "KvobsRecordsDropped"):
         assert required in names
     runbook = (ROOT / "docs" / "runbook.md").read_text()
     headings = set(re.findall(r"^## (\w+)$", runbook, re.M))
@@ -227,12 +281,58 @@ def test_alerts_follow_the_mixin_conventions() -> None:
         assert re.fullmatch(r"Kvobs(?:[A-Z][a-z]+)+", name), name
         assert rule["labels"]["severity"] in ("critical", "warning", "info")
         assert set(rule["annotations"]) >= {"summary", "description", "runbook_url"}
-        assert rule["annotations"]["runbook_url"] == f"docs/runbook.md#{name.lower()}"
         assert name in headings, f"docs/runbook.md has no section for {name}"
+        assert "$labels.model " not in str(rule["annotations"]) and "$labels.model}" not in str(rule["annotations"])
     severity = {rule["alert"]: rule["labels"]["severity"] for rule in rules}
     assert severity["KvobsLoadFailure"] == "critical"
     assert severity["KvobsNearMissesRising"] == severity["KvobsHistoryWindowTooShort"] == "warning"
     assert headings == set(names), "runbook sections without an alert"
+
+
+def test_runbook_urls_are_absolute_from_one_documented_base() -> None:
+    urls = {rule["alert"]: rule["annotations"]["runbook_url"] for rule in alerts()}
+    bases = {url.split("#")[0] for url in urls.values()}
+    assert len(bases) == 1, bases
+    (base,) = bases
+    assert re.fullmatch(r"https://[^\s#]+/docs/runbook\.md", base), base
+    for name, url in urls.items():
+        assert url == f"{base}#{name.lower()}", url  # GitHub's anchor of the "## <name>" heading
+    header = [line for line in (RULES / "kvobs-alerts.yaml").read_text().splitlines() if line.startswith("#")]
+    sed = next(line for line in header if "sed -i" in line)
+    # The one line that moves the base names every file holding it, and no other file holds it.
+    assert f"s|{base}|" in sed
+    named = set(sed.split("' ", 1)[1].split())
+    assert named == {"dashboards/rules/kvobs-alerts.yaml", "dashboards/rules/tests/kvobs-alerts-test.yaml",
+                     "docker/k8s/prometheusrule.yaml", "docs/runbook.md"}
+    holding = {str(p.relative_to(ROOT)) for p in [*(ROOT / "dashboards").rglob("*"), *(ROOT / "docker").rglob("*"),
+                                                   *(ROOT / "docs").rglob("*")]
+               if p.is_file() and base in p.read_text(errors="replace")}
+    assert holding == named, holding ^ named
+
+
+def test_alerts_keep_clusters_apart_and_warnings_wait() -> None:
+    """Every by/on of the rules keeps cluster, namespace and the engine's identity; a warning whose
+    expression a single event satisfies for a window waits longer than that window before firing."""
+    doc = yaml.safe_load((RULES / "kvobs-recording.yaml").read_text())
+    expressions = [rule["expr"] for group in doc["groups"] for rule in group["rules"]]
+    expressions += [rule["expr"] for rule in alerts()]
+    groupings = 0
+    for expr in expressions:
+        for clause in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr):
+            labels = {label.strip() for label in clause.split(",")}
+            assert set(IDENTITY) <= labels, (clause, expr)
+            groupings += 1
+        assert not re.search(r"\b(?:without|ignoring)\s*\(", expr), expr
+    assert groupings >= len(expressions)
+    for rule in alerts():
+        if rule["labels"]["severity"] == "critical":
+            continue
+        assert "for" in rule, f"{rule['alert']}: a warning without for"
+        windows = [duration_s(w) for w in re.findall(r"\[(\w+)\]", rule["expr"])]
+        if windows:
+            assert duration_s(rule["for"]) > max(windows), rule["alert"]
+    absent = [rule for rule in alerts() if rule["expr"].replace(" ", "") == 'absent(up{job="kvobs"}==1)']
+    assert len(absent) == 1 and "for" in absent[0]
 
 
 def test_every_alert_has_a_promtool_test_that_fires_and_one_that_does_not() -> None:
