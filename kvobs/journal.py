@@ -189,7 +189,7 @@ class JournalSink(Sink):
 
     def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
         """Durable report, then a bounded synchronous drain of the journal."""
-        report = failure_report(diagnosis, exc, self.writer, time.time())
+        report = failure_report(diagnosis, exc, self.writer, time.time(), trace=self._failure_span(diagnosis, exc))
         name = f"{int(report['time'] * 1000):015d}-{self.engine}-{os.getpid()}-{self._reports}.json"
         self._reports += 1
         try:
@@ -202,6 +202,19 @@ class JournalSink(Sink):
             self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
         except Exception as fault:
             self.observer.internal_error("journal", fault)
+
+    def _failure_span(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
+        """The (trace_id, span_id) of this failure's span when sampled (``kvobs.tracing.TracingSink``
+        starts it for the report; a fault there is the tracing sink's own, counted in its on_failure)."""
+        for sink in self.observer.sinks:
+            ids = getattr(sink, "failure_span_ids", None)
+            if ids is not None:
+                try:
+                    found: tuple[str, str] | None = ids(diagnosis, exc)
+                except Exception:
+                    return None
+                return found
+        return None
 
     # -- writer ------------------------------------------------------------------------
 

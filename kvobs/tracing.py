@@ -11,19 +11,30 @@ thread that the failing load waits for at most ``FLUSH_TIMEOUT_MS``; a span stil
 exporting after that is left to finish in the background (and the next failure's
 span is skipped while it does, so threads stay bounded).
 
-Provider: the one given to ``observe()``, else the global one; if
-the global one is the API's no-op default and ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT``
-is set, kvobs builds its own SDK provider with the OTLP exporter the standard
-``OTEL_*`` variables describe (http/protobuf by default, grpc on request).
+Provider: the one given to ``observe()``, else the global one; if the global one is the
+API's no-op default, kvobs builds its own SDK provider from the standard ``OTEL_*``
+variables (:func:`provider_from_env`): ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``,
+``none``, comma-separated; unset: ``otlp`` when an ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT``
+is set, else none), OTLP over http/protobuf by default, grpc on request, and the
+resource ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` describe (service.name
+``kvobs`` when neither names one).
 The parent is the request's W3C trace context when the connector carried it,
 else an explicit empty context (EngineCore inherits a stale startup
 ``traceparent``; notes §5).
+
+The span carries the request id as vLLM's own spans do (``gen_ai.request.id``,
+vLLM's ``SpanAttributes.GEN_AI_REQUEST_ID``) and as ``kv_offload.req_id``.
+Its ids go into the failure report (``kvobs.journal`` asks :meth:`TracingSink.failure_span_ids`
+before it writes it): the span is started first, so the report and the sidecar's exemplar
+name the trace the backend received.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,37 +46,81 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvobs.diagnosis import Diagnosis
 from kvobs.observer import Sink
 
+logger = logging.getLogger("kvobs")
+
 SPAN_NAME = "kv_offload.prepare_load"
 EVENT_NAME = "kv_offload.missing_chunks"
+REQUEST_ID = "gen_ai.request.id"
+"""vLLM's own spans' request id attribute (``vllm.tracing.SpanAttributes.GEN_AI_REQUEST_ID``)."""
+DEFAULT_SERVICE_NAME = "kvobs"
+EXPORTERS = ("otlp", "console")
+"""The ``OTEL_TRACES_EXPORTER`` values kvobs builds (and ``none``)."""
 FLUSH_TIMEOUT_MS = 2_000
 MAX_SPAN_KEYS = 1_000
 """Keys listed per array attribute: a load of 100k keys would make a span of megabytes, over what
 OTLP collectors accept (gRPC: 4 MiB), and the span would be lost. The rest are counted."""
 
 
-def provider_from_env() -> Any | None:
-    """An SDK TracerProvider exporting OTLP as the ``OTEL_*`` environment says, or None."""
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
-        return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def exporter_names() -> list[str]:
+    """The exporters ``OTEL_TRACES_EXPORTER`` names, as the SDK reads it (comma-separated; ``none``
+    alone: none). Unset: ``otlp`` when an OTLP endpoint is set, else none. An unknown name is
+    warned about and left out (a typo exports nothing rather than break the engine)."""
+    raw = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not raw:
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ["otlp"] if endpoint else []
+    if raw == "none":
+        return []
+    names: list[str] = []
+    for name in (n.strip() for n in raw.split(",")):
+        if name in EXPORTERS:
+            if name not in names:
+                names.append(name)
+        elif name and name != "none":
+            logger.warning("kvobs: OTEL_TRACES_EXPORTER=%r: unknown exporter %r (kvobs knows %s and none); "
+                           "no spans are exported through it", raw, name, ", ".join(EXPORTERS))
+    return names
 
+
+def resource_from_env() -> Any:
+    """The SDK's resource from ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` (the latter wins),
+    with service.name ``kvobs`` only where neither sets one (instead of the SDK's ``unknown_service``)."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+
+    resource = Resource.create()
+    if not OTELResourceDetector().detect().attributes.get(SERVICE_NAME):
+        resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+    return resource
+
+
+def _otlp_exporter() -> Any:
     protocol = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
     ).strip()
-    exporter: Any
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        exporter = GrpcExporter()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+        return GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        exporter = HttpExporter()
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvobs")})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return HttpExporter()
+
+
+def provider_from_env() -> Any | None:
+    """An SDK TracerProvider exporting as the ``OTEL_*`` environment says, or None when it asks for
+    no exporter (``OTEL_TRACES_EXPORTER=none``, no endpoint, ``OTEL_SDK_DISABLED=true``)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = exporter_names()
+    if not names:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=resource_from_env())
+    for name in names:
+        exporter = _otlp_exporter() if name == "otlp" else ConsoleSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 
@@ -97,6 +152,32 @@ class SpanExportTimeout(TimeoutError):
     """The failure span was not exported within the bound (counted as a kvobs fault, never raised to vLLM)."""
 
 
+class _Emission:
+    """One failure's span, emitted on a helper thread that starts, ends and flushes it by itself;
+    ``started`` is set once the span's ids are known (or the attempt is over)."""
+
+    def __init__(self, sink: TracingSink, diagnosis: Diagnosis, exc: BaseException) -> None:
+        self.sink = sink
+        self.diagnosis = diagnosis
+        self.exc = exc
+        self.deadline = time.monotonic() + FLUSH_TIMEOUT_MS / 1000
+        self.started = threading.Event()
+        self.ids: tuple[str, str] | None = None  # (trace_id, span_id) of a sampled span
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="kvobs-failure-span", daemon=True)
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def _run(self) -> None:
+        try:
+            self.sink._emit(self)
+        except BaseException as fault:  # handed to the failing load's thread by TracingSink.on_failure
+            self.errors.append(fault)
+        finally:
+            self.started.set()
+
+
 class TracingSink(Sink):
     """Emits the failure span; see the module docstring."""
 
@@ -105,48 +186,69 @@ class TracingSink(Sink):
     def __init__(self, tracer_provider: Any = None) -> None:
         self._given = tracer_provider
         self._from_env: Any = None
+        self._env_read = False
         self._straggler: threading.Thread | None = None
+        self._current: _Emission | None = None
 
     def _provider(self) -> Any:
         if self._given is not None:
             return self._given
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
-            if self._from_env is None:
+            if not self._env_read:  # the environment is read once: an unknown exporter is warned about once
+                self._env_read = True
                 self._from_env = provider_from_env()
             if self._from_env is not None:
                 return self._from_env
         return provider
 
-    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
-        """Emit and flush the span on a helper thread; wait at most FLUSH_TIMEOUT_MS."""
+    def _begin(self, diagnosis: Diagnosis, exc: BaseException) -> _Emission:
+        """This failure's emission, started on first call (by the journal's report or by on_failure)."""
+        current = self._current
+        if current is not None:
+            if current.diagnosis is diagnosis:
+                return current
+            if current.thread.is_alive():  # begun for a failure on_failure never waited for
+                self._straggler = current.thread
         if self._straggler is not None and self._straggler.is_alive():
             raise SpanExportTimeout("the previous failure span is still exporting; this one is skipped")
-        errors: list[BaseException] = []
+        emission = _Emission(self, diagnosis, exc)
+        self._current = emission
+        emission.thread.start()
+        return emission
 
-        def emit() -> None:
-            try:
-                self._emit(diagnosis, exc)
-            except BaseException as fault:  # handed to the failing load's thread below
-                errors.append(fault)
+    def failure_span_ids(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
+        """(trace_id, span_id) in hex of this failure's span when it is sampled, else None; starts the
+        span if on_failure has not yet, and waits for its start within the span's own bound."""
+        emission = self._begin(diagnosis, exc)
+        emission.started.wait(emission.remaining())
+        return emission.ids
 
-        worker = threading.Thread(target=emit, name="kvobs-failure-span", daemon=True)
-        worker.start()
-        worker.join(FLUSH_TIMEOUT_MS / 1000)
-        if worker.is_alive():
-            self._straggler = worker
+    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+        """Emit and flush the span on a helper thread; wait at most FLUSH_TIMEOUT_MS from its start."""
+        emission = self._begin(diagnosis, exc)
+        self._current = None
+        emission.thread.join(emission.remaining())
+        if emission.thread.is_alive():
+            self._straggler = emission.thread
             raise SpanExportTimeout(f"failure span not exported within {FLUSH_TIMEOUT_MS} ms; left to finish")
-        if errors:
-            raise errors[0]
+        if emission.errors:
+            raise emission.errors[0]
 
-    def _emit(self, diagnosis: Diagnosis, exc: BaseException) -> None:
+    def _emit(self, emission: _Emission) -> None:
         from kvobs import __version__
 
+        diagnosis, exc = emission.diagnosis, emission.exc
         provider = self._provider()
         tracer = provider.get_tracer("kvobs", __version__)
         parent = parent_context(diagnosis.failure.trace_headers)
         span = tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.INTERNAL)
         try:
+            context = span.get_span_context()
+            if context.is_valid and context.trace_flags.sampled:
+                emission.ids = (trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id))
+            emission.started.set()
+            span.set_attribute(REQUEST_ID, diagnosis.failure.req_id)
             span.set_attribute("kv_offload.req_id", diagnosis.failure.req_id)
             span.set_attribute("kv_offload.cause", diagnosis.cause)
             span.record_exception(exc, escaped=True)

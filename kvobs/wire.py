@@ -529,8 +529,13 @@ class Histogram:
 # -- failure reports ----------------------------------------------------------------------
 
 
-def failure_report(diagnosis: Diagnosis, exc: BaseException, writer: Writer, wall_time: float) -> dict[str, Any]:
-    """Every field of the message as structured data (``GET /api/v1/failures`` serves these)."""
+def failure_report(
+    diagnosis: Diagnosis, exc: BaseException, writer: Writer, wall_time: float, trace: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    """Every field of the message as structured data (``GET /api/v1/failures`` serves these).
+
+    ``trace``: the (trace_id, span_id) of the failure's span (``kvobs.tracing``) when it was sampled:
+    the report, and the sidecar's exemplar, name the trace the tracing backend holds."""
     failure = diagnosis.failure
     return {
         "kind": "failure",
@@ -546,6 +551,8 @@ def failure_report(diagnosis: Diagnosis, exc: BaseException, writer: Writer, wal
         "group": failure.failing_group,
         "cause": diagnosis.cause,
         "causes": diagnosis.causes,
+        "trace_id": None if trace is None else trace[0],
+        "span_id": None if trace is None else trace[1],
         "num_keys": failure.num_keys,
         "num_missing": len(diagnosis.keys),
         "end_token_range": list(failure.end_token_range) if failure.end_token_range else None,
@@ -626,6 +633,13 @@ class Report(NamedTuple):
     cause: str
     summary: Summary
     data: dict[str, Any]
+    trace_id: str | None = None  # the failure span's, when it was sampled
+
+
+def is_hex_id(value: Any, digits: int) -> TypeIs[str]:
+    """A W3C trace (32 digits) or span (16 digits) id as kvobs writes it: lowercase hex, not all zero."""
+    return (isinstance(value, str) and len(value) == digits and value.strip("0123456789abcdef") == ""
+            and value.strip("0") != "")
 
 
 def _summary(raw: Any) -> Summary | None:
@@ -677,6 +691,9 @@ def decode_report(name: str, data: Any) -> Report | None:
             return None
     if "history_window_s" in data and not is_seconds(data["history_window_s"]):
         return None
+    trace_id, span_id = data.get("trace_id"), data.get("span_id")
+    if not (trace_id is None or is_hex_id(trace_id, 32)) or not (span_id is None or is_hex_id(span_id, 16)):
+        return None
     if "missing_summary" in data:
         summary = _summary(data["missing_summary"])
     else:
@@ -687,7 +704,7 @@ def decode_report(name: str, data: Any) -> Report | None:
         age = key.get("seconds_since_eviction") if isinstance(key, dict) else "bad"
         if not (age is None or is_seconds(age)):
             return None
-    return Report(name, engine, model, float(when), cause, summary, data)
+    return Report(name, engine, model, float(when), cause, summary, data, trace_id)
 
 
 def read_report(path: Path) -> Report:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvobs import __version__
@@ -21,6 +21,15 @@ SKIP_REASONS = ("corrupt", "unreadable")
 def _hist(family: HistogramMetricFamily, labels: list[str], hist: Histogram | None) -> None:
     hist = hist or Histogram()
     family.add_metric(labels, hist.buckets(), hist.total)
+
+
+def _exemplar(newest: tuple[str, float] | None) -> Exemplar | None:
+    """The newest sampled failure of a series, as an OpenMetrics exemplar linking it to its trace
+    (rendered only in OpenMetrics; the Prometheus text format has no exemplars)."""
+    if newest is None:
+        return None
+    trace_id, when = newest
+    return Exemplar({"trace_id": trace_id}, 1.0, when)
 
 
 class KvobsCollector(Collector):
@@ -103,7 +112,8 @@ class KvobsCollector(Collector):
                     near.add_metric([*identity, reason], totals.get("near", {}).get(reason, 0))
                     _hist(residency, [*identity, reason], engine.residency.get(reason))
                 for cause in CAUSES:
-                    failures.add_metric([*identity, cause], totals.get("failures", {}).get(cause, 0))
+                    failures.add_metric([*identity, cause], totals.get("failures", {}).get(cause, 0),
+                                        exemplar=_exemplar(engine.exemplars.get(cause)))
                     for group in sorted(engine.groups or {"0"}):
                         missing.add_metric([*identity, cause, group], engine.missing.get((cause, group), 0))
                 for group in sorted(engine.groups or {"0"}):

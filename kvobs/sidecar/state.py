@@ -31,6 +31,7 @@ from kvobs.wire import (
     Report,
     Totals,
     is_count,
+    is_hex_id,
     is_label,
     is_model_name,
     is_seconds,
@@ -68,6 +69,8 @@ class EngineState:
     residency: dict[str, Histogram] = field(default_factory=dict)  # reason
     missing: dict[tuple[str, str], int] = field(default_factory=dict)  # (cause, group)
     missing_age: dict[str, Histogram] = field(default_factory=dict)  # group
+    exemplars: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """cause -> (trace_id, time) of the newest failure whose span was sampled: one per series."""
 
     def totals(self) -> dict[str, dict[str, float]]:
         summed: dict[str, dict[str, float]] = {k: dict(v) for k, v in self.retired.items()}
@@ -150,6 +153,10 @@ class SidecarState:
             if have is None:
                 have = state.missing_age[group] = Histogram()
             have.add(hist.counts, hist.total)
+        if report.trace_id is not None:
+            newest = state.exemplars.get(report.cause)
+            if newest is None or report.time >= newest[1]:
+                state.exemplars[report.cause] = (report.trace_id, report.time)
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -178,6 +185,7 @@ class SidecarState:
                     "residency": {r: h.to_json() for r, h in e.residency.items()},
                     "missing": [[c, g, n] for (c, g), n in e.missing.items()],
                     "missing_age": {g: h.to_json() for g, h in e.missing_age.items()},
+                    "exemplars": [[c, t, when] for c, (t, when) in e.exemplars.items()],
                 }
                 for identity, e in self.engines.items()
             ],
@@ -301,6 +309,10 @@ class _Restore:
             if not group.isdigit():
                 raise ValueError("bad group")
             engine.missing_age[group] = self._hist(h)
+        for row in e.get("exemplars") or []:  # absent from checkpoints written before exemplars
+            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and is_hex_id(row[1], 32)):
+                raise ValueError("bad exemplar")
+            engine.exemplars[row[0]] = (row[1], self._seconds(row[2]))
 
 
 def load_checkpoint(path: Path) -> SidecarState | None:
