@@ -217,6 +217,9 @@ def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
     host, port = alertmanagers["static_configs"][0]["targets"][0].split(":")
     assert host == "alertmanager" and {p["target"] for p in manager["ports"]} == {int(port)}
     assert "alertmanager" in services["prometheus"]["depends_on"]
+    datasources = yaml.safe_load(next((ROOT / "dashboards/provisioning/datasources").glob("*.yaml")).read_text())
+    (grafana_am,) = [d for d in datasources["datasources"] if d["type"] == "alertmanager"]
+    assert grafana_am["url"] == f"http://alertmanager:{port}"
     amtool = shutil.which("amtool")
     assert amtool, "amtool is missing: `make tools` installs Debian's prometheus-alertmanager (which ships it)"
     checked = subprocess.run([amtool, "check-config", str(config_file)], capture_output=True, text=True, timeout=60)
