@@ -203,6 +203,11 @@ def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None
     assert Path(grafana["/etc/grafana/provisioning/datasources"]) == ROOT / "dashboards/provisioning/datasources"
     datasources = yaml.safe_load(next((ROOT / "dashboards/provisioning/datasources").glob("*.yaml")).read_text())
     assert "http://prometheus:9090" in [d["url"] for d in datasources["datasources"]]
+    # A failure's exemplar (trace_id) is kept by Prometheus and opens the trace in the tracing data source.
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+    by_type = {d["type"]: d for d in datasources["datasources"]}
+    (destination,) = by_type["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination["name"] == "trace_id" and destination["datasourceUid"] == by_type["jaeger"]["uid"]
 
 
 def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:

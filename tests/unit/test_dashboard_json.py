@@ -238,6 +238,9 @@ def test_the_panels_operators_need_are_there(path: Path) -> None:
     }
     kinds = [p["type"] for p in panels(dashboard)]
     assert "heatmap" in kinds and "stat" in kinds and kinds.count("timeseries") >= 15
+    # The sidecar puts an exemplar {trace_id} on kvobs_load_failures_total (kvobs/sidecar/metrics.py).
+    failures = [t for _, t in targets(dashboard) if "kvobs_load_failures_total{" in t["expr"] and t.get("exemplar")]
+    assert failures, "no panel shows the load failures' exemplars"
     heatmap = next(p for p in panels(dashboard) if p["type"] == "heatmap")
     assert heatmap["targets"][0]["format"] == "heatmap"
     ids = [p["id"] for p in panels(dashboard)]
