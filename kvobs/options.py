@@ -41,6 +41,11 @@ class Options:
     """Failure reports kept in ``dir`` (the oldest are deleted)."""
     tracer_provider: Any = None
     """OpenTelemetry TracerProvider for the failure span; default: the global one."""
+    vllm_metrics: bool = False
+    """Also publish kvobs's live counters on vLLM's own ``/metrics`` (``vllm:kv_offload_kvobs_*``,
+    kvobs/vllm/vllm_metrics.py). Off: the spec declares, and the manager reports, exactly what the
+    inner spec's do. With ``kvobs.observe()`` under a spec of your own, that spec must declare
+    ``kvobs.vllm.vllm_metrics.metric_definitions(options)`` (vLLM's stat logger refuses undeclared names)."""
 
 
 _INT_RANGES = {
@@ -51,6 +56,7 @@ _INT_RANGES = {
     "max_reports": (1, 1_000_000),
 }
 _STRINGS = ("dir", "engine", "model_name")
+_BOOLS = ("vllm_metrics",)
 MAX_MODEL_NAME = 256
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 
@@ -72,6 +78,9 @@ def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Op
                 raise OptionError(f"{source} {name!r} must be an integer, got {value!r}")
             if not low <= value <= high:
                 raise OptionError(f"{source} {name!r} must be in [{low}, {high}], got {value}")
+        elif name in _BOOLS:
+            if not isinstance(value, bool):
+                raise OptionError(f"{source} {name!r} must be true or false, got {value!r:.80}")
         elif name in _STRINGS and value is not None and (not isinstance(value, str) or not value):
             raise OptionError(f"{source} {name!r} must be a non-empty string, got {value!r}")
         elif name == "engine" and value is not None and not ENGINE_LABEL.fullmatch(value):

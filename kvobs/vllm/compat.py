@@ -29,6 +29,16 @@ Release differences kvobs meets (each checked by feature, below):
   later. 0.30 keeps positions only inside the connector scheduler's request state, which an
   offloading spec never sees, so the message has no end tokens there (README, "Supported vLLM");
 * ``policy.insert`` takes ``req_context`` from 0.33 (kvobs reads only its ``chunk``).
+* the spec-declared metrics on vLLM's own ``/metrics`` (the ``vllm_metrics`` option,
+  kvobs/vllm/vllm_metrics.py; :func:`offload_stats_api`): ``OffloadingSpec.build_metric_definitions``
+  (a classmethod, called with ``kv_connector_extra_config`` by the API server's
+  ``OffloadPromMetrics``), ``OffloadingCounterMetadata(documentation, labelnames)`` in
+  ``vllm.v1.kv_offload.base``, and ``OffloadingConnectorStats.increase_counter(name, value,
+  labelvalues)`` in ``vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics``, the
+  stats the manager's ``get_stats()`` returns: all four releases. vLLM registers each declared
+  name verbatim (no prefix) with ``model_name`` and ``engine`` first, and its
+  ``unregister_vllm_metrics`` drops only collectors named ``vllm:*``. 0.33 calls ``get_stats()``
+  under the manager lock; 0.33 alone sends ``config_info`` on the same payload.
 
 Read once, at start-up, for the labels vLLM's own metrics carry (:func:`engine_labels`): the
 served model name, from the ``vllm_config`` local of the frames that build the spec (the
@@ -262,6 +272,24 @@ def settle_secondary_tiers(manager: Any, timeout_s: float = 10.0) -> None:
             if not in_flight or (lookups._lookup_queue.empty() and not lookups._pending_results.empty()):
                 break
             time.sleep(0.001)
+
+
+def offload_stats_api() -> tuple[type[Any], type[Any]] | str:
+    """(``OffloadingCounterMetadata``, ``OffloadingConnectorStats``) when this release lets a spec
+    publish counters on vLLM's ``/metrics``, else what it lacks (the ``vllm_metrics`` option then
+    does nothing)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingSpec
+    except ImportError as exc:
+        return f"vLLM {VLLM_VERSION} has no offloading stats or metric metadata ({exc})"
+    if not callable(getattr(OffloadingSpec, "build_metric_definitions", None)):
+        return f"vLLM {VLLM_VERSION} has no OffloadingSpec.build_metric_definitions"
+    if not callable(getattr(OffloadingConnectorStats, "increase_counter", None)):
+        return f"vLLM {VLLM_VERSION} has no OffloadingConnectorStats.increase_counter"
+    if not _takes(OffloadingCounterMetadata, ("", ("reason",))):
+        return f"vLLM {VLLM_VERSION}'s OffloadingCounterMetadata takes no labelnames"
+    return OffloadingCounterMetadata, OffloadingConnectorStats
 
 
 def engine_labels(config: Any) -> tuple[str, str]:

@@ -35,7 +35,7 @@ from kvobs.codes import PATH_CODE
 from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
 from kvobs.observer import Observer, Unloadable
-from kvobs.vllm import compat
+from kvobs.vllm import compat, vllm_metrics
 from kvobs.vllm.trace_context import TraceHeaders
 
 PASS_THROUGH = (
@@ -49,13 +49,17 @@ PASS_THROUGH = (
     "get_stats",
     "config_info",
 )
-"""Methods forwarded as the inner manager's own bound methods (nothing to record)."""
+"""Methods forwarded as the inner manager's own bound methods (nothing to record); ``get_stats``
+also adds kvobs's counters when the ``vllm_metrics`` option is on (kvobs/vllm/vllm_metrics.py)."""
 
 
 def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..., None]) -> dict[str, Any]:
     """kvobs's entry point for every manager method the inner manager has."""
     rec = observer.recorder
     taps: dict[str, Any] = {name: getattr(inner, name) for name in PASS_THROUGH if hasattr(inner, name)}
+    api = vllm_metrics.stats_api(observer.options)  # None unless the vllm_metrics option is on
+    if api is not None and "get_stats" in taps:
+        taps["get_stats"] = vllm_metrics.StatsTap(inner.get_stats, observer, api[1])
     taps["lookup"] = rec.lookup_tap(
         inner.lookup, path=PATH_CODE["lookup"], hit=compat.HIT, hit_pending=compat.HIT_PENDING,
         marks_frame=compat.lookup_can_remove(inner),

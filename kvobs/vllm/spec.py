@@ -12,6 +12,10 @@ forward what vLLM asks of a spec (notes §4): ``get_worker``, both classmethods
 (the API server calls them) and ``replicated_layout``. The module is imported by
 every vLLM process, so import and ``__init__`` stay cheap; options are
 validated in the classmethods too, so a bad option fails at start-up.
+
+``build_metric_definitions`` is the inner spec's, plus kvobs's own counters when the
+``vllm_metrics`` option is on (kvobs/vllm/vllm_metrics.py): the API server declares what the
+manager's ``get_stats`` may report, and both read the same ``kv_connector_extra_config``.
 """
 
 from __future__ import annotations
@@ -100,8 +104,15 @@ class ObservedOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        inner_cls, inner_extra, _ = split_config(extra_config)
-        return inner_cls.build_metric_definitions(inner_extra)
+        """The inner spec's metrics; with the ``vllm_metrics`` option, kvobs's counters too
+        (kvobs/vllm/vllm_metrics.py), which the manager's ``get_stats`` then reports."""
+        inner_cls, inner_extra, options = split_config(extra_config)
+        definitions = inner_cls.build_metric_definitions(inner_extra)
+        if options.vllm_metrics:
+            from kvobs.vllm.vllm_metrics import metric_definitions
+
+            definitions = {**definitions, **metric_definitions(options)}
+        return definitions
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

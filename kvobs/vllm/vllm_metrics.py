@@ -1,0 +1,128 @@
+"""kvobs's live counters on vLLM's own ``/metrics``: the opt-in ``vllm_metrics`` option.
+
+vLLM lets an offloading spec publish metrics through its API server: the spec declares them
+(``build_metric_definitions(extra_config)``, read by the API server's ``OffloadPromMetrics``),
+and the manager's ``get_stats()`` returns their increments since its last call, which the
+connector scheduler sends with each step's stats (kvobs/vllm/compat.py names the release
+details). With the option on, the spec adds :func:`metric_definitions` to the inner spec's
+declarations and the manager's ``get_stats`` (:class:`StatsTap`) adds kvobs's increments to
+the inner manager's stats. Off, neither changes: kvobs declares and reports exactly what the
+inner spec and manager do.
+
+vLLM registers the names verbatim with its ``model_name`` and ``engine`` labels first and,
+counters being prometheus_client's, exposes them with ``_total``::
+
+    vllm:kv_offload_kvobs_evicted_chunks_total{model_name, engine, reason}
+    vllm:kv_offload_kvobs_load_failures_total{model_name, engine, cause}
+    vllm:kv_offload_kvobs_hits_evicted_before_load_total{model_name, engine, reason}
+
+They count what the sidecar's ``kvobs_evicted_chunks_total``, ``kvobs_load_failures_total`` and
+``kvobs_hits_evicted_before_load_total`` count (kvobs/sidecar/metrics.py), under other names, so
+that a query over one family never adds the other. The ``vllm:`` prefix also lets vLLM's
+``unregister_vllm_metrics`` drop them with its own when its stat logger is rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvobs.codes import CAUSES, REASONS
+from kvobs.observer import Observer
+from kvobs.options import Options
+from kvobs.vllm import compat
+
+logger = logging.getLogger("kvobs")
+
+PREFIX = "vllm:kv_offload_kvobs_"
+EVICTED = PREFIX + "evicted_chunks"
+LOAD_FAILURES = PREFIX + "load_failures"
+NEAR_MISSES = PREFIX + "hits_evicted_before_load"
+
+COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    (EVICTED, "reason", "Chunks removed from the CPU tier, by reason (kvobs).", REASONS),
+    (LOAD_FAILURES, "cause", "Failed prepare_load calls, by cause (kvobs).", CAUSES),
+    (NEAR_MISSES, "reason",
+     "Chunks a lookup reported that were removed before the request's load pinned them (kvobs near misses).",
+     REASONS),
+)
+"""(name as declared, its label, help text, every label value)."""
+
+_warned = False
+
+
+def stats_api(options: Options) -> tuple[type[Any], type[Any]] | None:
+    """vLLM's counter metadata and stats classes when ``options.vllm_metrics`` is on and this
+    release has them; None otherwise, with one warning per process when the option asked for them."""
+    global _warned
+    if not options.vllm_metrics:
+        return None
+    api = compat.offload_stats_api()
+    if isinstance(api, str):
+        if not _warned:
+            _warned = True
+            logger.warning("kvobs option 'vllm_metrics' does nothing here: %s; kvobs's counters stay on "
+                           "its sidecar only", api)
+        return None
+    return api
+
+
+def metric_definitions(options: Options) -> dict[str, Any]:
+    """What the spec adds to the inner spec's ``build_metric_definitions`` (empty when off)."""
+    api = stats_api(options)
+    if api is None:
+        return {}
+    counter_metadata = api[0]
+    return {name: counter_metadata(documentation=doc, labelnames=(label,)) for name, label, doc, _ in COUNTERS}
+
+
+class StatsTap:
+    """The manager's ``get_stats`` with the option on: the inner manager's stats, plus kvobs's
+    counters' increments since the last call (every label value on the first, so each series
+    exists from the engine's first stats; then only those that moved).
+
+    Called by the connector scheduler (under the manager lock on 0.33). Never raises anything of
+    its own: a fault is counted as kvobs's and the inner manager's stats are returned as they are.
+    """
+
+    def __init__(self, inner_get_stats: Callable[[], Any], observer: Observer, stats_cls: type[Any]) -> None:
+        self._inner_get_stats = inner_get_stats
+        self._observer = observer
+        self._stats_cls = stats_cls
+        self._last: dict[tuple[str, str], int] = {}
+
+    def __call__(self) -> Any:
+        stats = self._inner_get_stats()
+        try:
+            increments = self.increments()
+            if increments:
+                if stats is None:
+                    stats = self._stats_cls()
+                for name, value, delta in increments:
+                    stats.increase_counter(name, delta, (value,))
+        except Exception as exc:  # kvobs never changes what vLLM gets because of its own fault
+            self._observer.internal_error("sink", exc)
+        return stats
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """kvobs's counters now, by declared name and label value."""
+        observer = self._observer
+        return {EVICTED: dict(observer.evicted), LOAD_FAILURES: dict(observer.failures),
+                NEAR_MISSES: dict(observer.near_misses)}
+
+    def increments(self) -> list[tuple[str, str, int]]:
+        """(name, label value, increment) since the last call; remembered as reported."""
+        first = not self._last
+        last = self._last
+        out: list[tuple[str, str, int]] = []
+        totals = self.totals()
+        for name, _, _, values in COUNTERS:
+            counts = totals[name]
+            for value in values:
+                now = int(counts.get(value, 0))
+                delta = now - last.get((name, value), 0)
+                if delta > 0 or first:
+                    out.append((name, value, max(delta, 0)))
+                    last[(name, value)] = now
+        return out
