@@ -41,8 +41,9 @@ Release differences kvobs meets (each checked by feature, below):
   under the manager lock; 0.33 alone sends ``config_info`` on the same payload.
 
 Read once, at start-up, for the labels vLLM's own metrics carry (:func:`engine_labels`): the
-served model name, from the ``vllm_config`` local of the frames that build the spec (the
-connector's ``__init__`` in all four releases), else the model path of the spec's config.
+data-parallel index and the model path of the spec's config, and the served model name when
+kvobs's connector passes it (``OffloadingConnector.__init__(vllm_config, role, kv_cache_config)``
+in all four releases).
 
 :func:`check` verifies all of it on a live manager before kvobs touches anything, and raises
 :class:`ProtocolMismatch` naming what is missing: the plugin then steps aside
@@ -53,8 +54,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from importlib import metadata
 from typing import Any
 
@@ -292,44 +293,41 @@ def offload_stats_api() -> tuple[type[Any], type[Any]] | str:
     return OffloadingCounterMetadata, OffloadingConnectorStats
 
 
+SERVED_MODEL_NAME: ContextVar[str | None] = ContextVar("kvobs_served_model_name", default=None)
+"""The served model name while ``kvobs.vllm.connector.ObservedOffloadingConnector`` builds its spec
+(it holds the ``VllmConfig``; the spec's own config names only the model path)."""
+
+
 def engine_labels(config: Any) -> tuple[str, str]:
     """(model_name, engine) as vLLM's own metrics label this engine (``vllm/v1/metrics/loggers.py``:
     ``model_config.served_model_name`` and ``str(engine_index)``, the engine index being the
     data-parallel rank), from the ``OffloadingConfig`` a spec is built with.
 
-    The spec's config names the model (``model.name``, the model path) but not the served name;
-    the ``VllmConfig`` the connector builds the spec from is found in the calling frames (vLLM
-    constructs the spec inside ``OffloadingConnector.__init__(vllm_config, ...)`` in every
-    supported release), else vLLM's current config. Without either, the served name defaults to
-    the model path, as vLLM's own does when ``--served-model-name`` is not given.
+    The served name: the one kvobs's connector passed in (:data:`SERVED_MODEL_NAME`), else vLLM's
+    current config's when one is set, else the model path, which is also vLLM's served name when
+    ``--served-model-name`` is not given (the ``model_name`` option overrides all of them).
     """
     try:
         engine = str(config.parallel.data_parallel_index)
-        served = _served_model_name()
+        served = SERVED_MODEL_NAME.get() or served_name_of(_current_vllm_config())
         return (served if served else str(config.model.name)), engine
     except Exception as exc:  # labels are not worth stopping the engine for: kvobs's defaults
         logger.warning("kvobs: cannot read the engine's labels from vLLM's config (%r); using engine '0'", exc)
         return "", "0"
 
 
-def _served_model_name(max_frames: int = 12) -> str | None:
-    frame = sys._getframe(1)
-    for _ in range(max_frames):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            break
-        name = _served_name_of(frame.f_locals.get("vllm_config"))
-        if name:
-            return name
+def _current_vllm_config() -> Any:
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
         return None
-    return _served_name_of(get_current_vllm_config_or_none())
+    return get_current_vllm_config_or_none()
 
 
-def _served_name_of(vllm_config: Any) -> str | None:
+def served_name_of(vllm_config: Any) -> str | None:
+    """The served model name of a ``VllmConfig`` (the first, when several are served), or None."""
     name = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
     if isinstance(name, list):  # before ModelConfig's post-init picks the first
         name = name[0] if name else None
     return name if isinstance(name, str) and name else None
+

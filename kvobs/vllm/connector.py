@@ -1,8 +1,9 @@
-"""ObservedOffloadingConnector: vLLM's OffloadingConnector plus the request's trace context.
+"""ObservedOffloadingConnector: vLLM's OffloadingConnector plus what only the connector knows.
 
-Use it instead of ``OffloadingConnector`` to make kvobs's failure span join the
-request's trace (``"kv_connector": "ObservedOffloadingConnector",
-"kv_connector_module_path": "kvobs.vllm.connector"``). Everything else is vLLM's.
+Use it instead of ``OffloadingConnector`` (``"kv_connector": "ObservedOffloadingConnector",
+"kv_connector_module_path": "kvobs.vllm.connector"``) to make kvobs's failure span join the
+request's trace, and to label kvobs's series with the served model name
+(``--served-model-name``; the spec alone sees only the model path). Everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from kvobs.vllm.trace_context import TraceHeaders
 
 
 class ObservedOffloadingConnector(OffloadingConnector):
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        served = compat.SERVED_MODEL_NAME.set(compat.served_name_of(vllm_config))
+        try:
+            super().__init__(vllm_config, *args, **kwargs)  # builds the spec: kvobs.vllm.spec reads the name
+        finally:
+            compat.SERVED_MODEL_NAME.reset(served)
+
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
         headers = getattr(request, "trace_headers", None)

@@ -124,7 +124,7 @@ class ObservedOffloadingSpec(OffloadingSpec):
         inner_config = dataclasses.replace(config, extra_config=inner_extra)
         super().__init__(inner_config)
         self.inner_spec: OffloadingSpec = inner_cls(inner_config)
-        model_name, engine = compat.engine_labels(config)  # here: the connector's frame is the caller's
+        model_name, engine = compat.engine_labels(config)  # vLLM's own labels for this engine
         self.kvobs_options = dataclasses.replace(
             options, engine=options.engine or engine, model_name=options.model_name or model_name
         )

@@ -2,8 +2,9 @@
 
 vLLM labels its series ``model_name`` (the served model) and ``engine`` (the engine index, "0", "1",
 ...; ``vllm/v1/metrics/loggers.py``). The plugin reads both from vLLM at start-up; here through
-vLLM's real ``OffloadingConnector`` (its model config is a stand-in: a real ``ModelConfig`` needs
-a model's files, see ``kvobs/demo/driver.py``), and end to end through a real Prometheus.
+vLLM's real ``OffloadingConnector`` and kvobs's subclass of it (the model config is a stand-in: a
+real ``ModelConfig`` needs a model's files, see ``kvobs/demo/driver.py``), and end to end through
+a real Prometheus.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ LOAD_BYTES = '{__name__=~"vllm[:_]kv_offload_load_bytes_total"}'
 HARNESS_MODEL = "kvobs/cpu-harness"  # the model path kvobs/demo/driver.py's stand-in model config names
 
 
-def connector_with(served_model_name: Any, dp_index: int = 0) -> Any:
-    """vLLM's real OffloadingConnector (scheduler side) with the kvobs plugin, as ``vllm serve``
-    builds it; the model config a stand-in carrying ``served_model_name``."""
+def connector_with(served_model_name: Any, dp_index: int = 0, *, kvobs_connector: bool = True,
+                   **kvobs_options: Any) -> Any:
+    """vLLM's real OffloadingConnector (scheduler side), or kvobs's subclass of it, with the kvobs
+    plugin, as ``vllm serve`` builds it; the model config a stand-in carrying ``served_model_name``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+    from kvobs.vllm.connector import ObservedOffloadingConnector
+
     extra = {"spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
-             "kvobs": {"inner_spec": "CPUOffloadingSpec"}, "cpu_bytes_to_use": 1 << 20}
+             "kvobs": {"inner_spec": "CPUOffloadingSpec", **kvobs_options}, "cpu_bytes_to_use": 1 << 20}
     vllm_config = driver.make_vllm_config(extra)
     vllm_config.parallel_config.data_parallel_index = dp_index
     facts = driver._ModelFacts()
@@ -47,27 +51,35 @@ def connector_with(served_model_name: Any, dp_index: int = 0) -> Any:
         model_config.served_model_name = served_model_name
     config = driver._WithModelFacts(vllm_config)
     config.model_config = model_config  # type: ignore[assignment]
-    return OffloadingConnector(config, KVConnectorRole.SCHEDULER, driver.make_kv_cache_config(hybrid=False))
+    connector_cls = ObservedOffloadingConnector if kvobs_connector else OffloadingConnector
+    return connector_cls(config, KVConnectorRole.SCHEDULER, driver.make_kv_cache_config(hybrid=False))
 
 
 @pytest.mark.parametrize(
-    ("served", "dp_index", "labels"),
+    ("served", "dp_index", "kvobs_connector", "options", "labels"),
     [
-        ("qwen3-chat", 0, ("qwen3-chat", "0")),  # --served-model-name qwen3-chat
-        (["alias-a", "alias-b"], 1, ("alias-a", "1")),  # several names: vLLM's metrics use the first
-        (None, 2, (HARNESS_MODEL, "2")),  # no served name: the model path, as vLLM's own default
+        ("qwen3-chat", 0, True, {}, ("qwen3-chat", "0")),  # --served-model-name qwen3-chat, kvobs's connector
+        (["alias-a", "alias-b"], 1, True, {}, ("alias-a", "1")),  # several names: vLLM's metrics use the first
+        (None, 2, True, {}, (HARNESS_MODEL, "2")),  # no served name: the model path, as vLLM's own default
+        # vLLM's own connector: the spec sees only the model path (vLLM's served name by default) ...
+        ("qwen3-chat", 3, False, {}, (HARNESS_MODEL, "3")),
+        # ... and the options say otherwise where needed.
+        ("qwen3-chat", 0, False, {"model_name": "qwen3-chat", "engine": "a"}, ("qwen3-chat", "a")),
     ],
 )
 def test_the_plugin_takes_vllms_labels_through_the_real_connector(
-    served: Any, dp_index: int, labels: tuple[str, str]
+    served: Any, dp_index: int, kvobs_connector: bool, options: dict[str, str], labels: tuple[str, str]
 ) -> None:
-    connector = connector_with(served, dp_index)
+    connector = connector_with(served, dp_index, kvobs_connector=kvobs_connector, **options)
     manager = connector.connector_scheduler.manager
     try:
         assert isinstance(manager, ObservedOffloadingManager)
         assert (manager.observer.options.model_name, manager.observer.options.engine) == labels
     finally:
         manager.shutdown()
+    from kvobs.vllm import compat
+
+    assert compat.SERVED_MODEL_NAME.get() is None  # the connector's name does not outlive its construction
 
 
 def test_kvobs_series_join_vllms_own_in_prometheus_without_relabeling(tmp_path: Path) -> None:
