@@ -93,7 +93,7 @@ def _claim_stem(journal_dir: Path, engine: str) -> str:
     """A file stem no other live writer of this process uses in this directory.
 
     Two observed managers with one engine name in one process (``observe()`` twice, with the
-    default ``engine=pid<pid>``) would otherwise write, and rotate away, each other's segments.
+    default ``engine="0"``) would otherwise write, and rotate away, each other's segments.
     """
     base = f"{engine}-{os.getpid()}"
     with _stems_lock:

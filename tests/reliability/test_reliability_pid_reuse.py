@@ -34,7 +34,7 @@ def test_sidecar_totals_survive_an_engine_restart_with_the_same_pid(tmp_path: Pa
 
 def test_sidecar_totals_of_two_observed_managers_sharing_a_process_and_engine_name(tmp_path: Path) -> None:
     """Two managers observed at once in one process under one engine name (e.g. the default
-    ``pid<pid>`` label for both): each writer's cumulative totals count, neither replaces the other."""
+    ``"0"`` label for both): each writer's cumulative totals count, neither replaces the other."""
     directory = tmp_path / "kvobs"
     first = observed_cpu(dir=str(directory), engine="e0")
     time.sleep(FLUSH_EVERY_S * 3)  # the first writer's hello and totals are out before the second starts
