@@ -5,18 +5,22 @@ a real sidecar (``kvobs serve``) exports the result, each engine's series labell
 ``model_name`` and ``engine`` as vLLM labels its own; Debian's Prometheus scrapes it with the
 ``kvobs`` job of the shipped docker/prometheus/prometheus.yml (its ``instance`` label) and loads the
 shipped rule files. Then every query of every dashboard panel, with its variables substituted as
-Grafana would, must return data from Prometheus's HTTP API.
+Grafana would, must return data from Prometheus's HTTP API. And kvobs's evictions, load failures and near
+misses come from either metrics path (the sidecar, or vLLM's /metrics with the kvobs option vllm_metrics),
+never from both added.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,24 +73,30 @@ def test_promtool_unit_tests_pass() -> None:
     assert result.stdout.count("SUCCESS") == len(tests)
 
 
-def scrape_config(sidecar_port: int, vllm_port: int) -> dict[str, Any]:
-    """The shipped ``kvobs`` and ``vllm`` jobs (labels, relabelling) pointed at the test's targets, every second."""
+def scrape_config(sidecar_port: int | None, vllm_port: int) -> dict[str, Any]:
+    """The shipped ``kvobs`` and ``vllm`` jobs (labels, relabelling) pointed at the test's targets, every
+    second; without ``sidecar_port``, the ``vllm`` job alone (vLLM's /metrics the only path)."""
     shipped = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     jobs = {j["job_name"]: j for j in shipped["scrape_configs"]}
-    for name, port in (("kvobs", sidecar_port), ("vllm", vllm_port)):
+    ports = {"kvobs": sidecar_port, "vllm": vllm_port}
+    for name, port in ports.items():
         (static,) = jobs[name]["static_configs"]
         static["targets"] = [f"127.0.0.1:{port}"]
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],
-        "scrape_configs": [jobs["kvobs"], jobs["vllm"]],
+        "scrape_configs": [jobs[name] for name, port in ports.items() if port is not None],
     }
 
 
-def start_vllm_metrics() -> tuple[subprocess.Popen[bytes], int]:
+def start_vllm_metrics(kvobs_dir: Path | None = None,
+                       vllm_metrics: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+    """vllm_metrics_process.py; with ``kvobs_dir`` its kvobs journals there (for a sidecar), with
+    ``vllm_metrics`` kvobs's counters join vLLM's own series (the kvobs option vllm_metrics)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(VLLM_METRICS), str(port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, "KVOBS_VLLM_METRICS": "1" if vllm_metrics else "0"}
+    proc = subprocess.Popen([sys.executable, str(VLLM_METRICS), str(port), *([str(kvobs_dir)] if kvobs_dir else [])],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: b"vllm:kv_offload_allocation_failure_total{" in http_get(f"http://127.0.0.1:{port}/metrics")[2],
                  timeout=90, what="vLLM's offload metrics")
@@ -250,3 +260,143 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         sidecar.stop()
         vllm_metrics.terminate()
         vllm_metrics.wait(timeout=15)
+
+
+# kvobs's three counters on either metrics path (issue 15): the sidecar's kvobs_<name> or, with the kvobs
+# option vllm_metrics, vLLM's vllm:kv_offload_kvobs_<name> (kvobs/vllm/vllm_metrics.py).
+BOTH_PATHS = r"(?:evicted_chunks_total|load_failures_total|hits_evicted_before_load_total)"
+EITHER_OR = re.compile(
+    r"sum by \(([^)]*)\) \((?:rate|increase)\(kvobs_" + BOTH_PATHS + r"\{[^}]*\}\[[^\]]+\]\)\) or "
+    r"sum by \(\1\) \((?:rate|increase)\(\{__name__=~\"vllm\[:_\]kv_offload_kvobs_" + BOTH_PATHS
+    + r"\", [^}]*\}\[[^\]]+\]\)\)")
+COUNTER_PANELS = {"Load failures in range", "Near misses /s", "Load failures by cause", "Near misses by reason",
+                  "Eviction rate by reason", "Near misses and failures per engine"}
+
+
+def query_at(prometheus: Prometheus, expr: str, at: float) -> dict[str, float]:
+    """An instant query at ``at``: {labels: value}."""
+    url = f"http://127.0.0.1:{prometheus.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr, "time": at})
+    status, _, body = http_get(url)
+    payload = json.loads(body)
+    assert status == 200 and payload["status"] == "success", payload
+    return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in payload["data"]["result"]}
+
+
+def only_path(expr: str, path: str) -> str:
+    """The expression with the other path's counters renamed to series that do not exist."""
+    if path == "sidecar":
+        return expr.replace("vllm[:_]kv_offload_kvobs_", "vllm[:_]kv_offload_no_such_")
+    return re.sub(r"\bkvobs_(" + BOTH_PATHS + r")\{", r"no_such_kvobs_\1{", expr)
+
+
+def series_counted(expr: str) -> str:
+    """Each raw series a rate/increase reads counted as 1 (whatever it counted): sums then count series,
+    so a query adding both paths' series of one engine shows even where both counted nothing."""
+    return re.sub(r"\b(?:rate|increase)\(((?:kvobs_\w+)?\{[^}]*\}\[[^\]]+\])\)", r"(count_over_time(\1) ^ 0)", expr)
+
+
+def grafana_variables(prometheus: Prometheus, dashboard: dict[str, Any], chosen: dict[str, str]) -> dict[str, str]:
+    """The variables as Grafana fills them from this Prometheus: the chosen value where it is offered,
+    All (".*") for an includeAll variable otherwise, the first value else ("" when none, as Grafana's
+    empty option)."""
+    values = {"datasource": ""}
+    for var in dashboard["templating"]["list"][1:]:
+        match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
+        assert match is not None
+        found = sorted(r["metric"].get(match[2], "")
+                       for r in prometheus.query(f"group by ({match[2]}) ({substitute(match[1], values)})"))
+        want = chosen.get(var["name"], ".*")
+        if want in found or (want == ".*" and var["includeAll"]):
+            values[var["name"]] = want
+        else:
+            assert not var["includeAll"], (var["name"], want, found)
+            values[var["name"]] = found[0] if found else ""
+    return values
+
+
+def test_kvobs_counters_from_either_path_without_double_counting(tmp_path: Path) -> None:
+    """Issue 15: one engine (vllm_metrics_process.py) journals for a real sidecar and, with the kvobs option
+    vllm_metrics, puts the same counters on vLLM's /metrics. A Prometheus scraping vLLM alone fills the
+    variables and the counter panels; one scraping both gets from each counter query exactly what the
+    sidecar's series alone give, where vLLM's alone cover the same engine and series."""
+    directory = tmp_path / "kvobs"
+    directory.mkdir()
+    sidecar = Sidecar(directory).start()
+    vllm_metrics, vllm_port = start_vllm_metrics(directory, vllm_metrics=True)
+    vllm_only = ShippedPrometheus(tmp_path / "vllm-only", scrape_config(None, vllm_port)).start()
+    both = ShippedPrometheus(tmp_path / "both", scrape_config(sidecar.port, vllm_port)).start()
+    model, window = served_model(), 20
+    dashboard = json.loads((ROOT / "dashboards" / "kvobs-offload.json").read_text())
+    try:
+        vllm_evictions = '{__name__=~"vllm[:_]kv_offload_kvobs_evicted_chunks_total", reason="capacity"}'
+        for prometheus, selector in ((vllm_only, vllm_evictions), (both, vllm_evictions),
+                                     (both, 'kvobs_evicted_chunks_total{reason="capacity"}')):
+            wait_for(lambda p=prometheus, s=selector: (p.value(f"min(count_over_time({s}[{window}s]))") or 0) >= 8,
+                     timeout=90, what=f"eight scrapes of {selector}")
+        assert vllm_only.query('{__name__=~"kvobs_.*"}') == []  # vLLM's /metrics is the only path there
+        instance = scrape_config(None, vllm_port)["scrape_configs"][0]["static_configs"][0]["labels"]["instance"]
+        rates = {"__rate_interval": f"{window}s", "__range": f"{window}s"}
+
+        # (a) vLLM's path alone: the variables offer its model, instance and engine (no sidecar job), and
+        # every query of the counters returns data, for All and for that engine.
+        for chosen in ({}, {"model_name": model, "instance": instance, "engine": "0"}):
+            values = {**grafana_variables(vllm_only, dashboard, chosen), **rates}
+            assert values["job"] == "" and values["cluster"] == ".*"
+            assert [values[n] for n in ("model_name", "instance", "engine")] == [
+                chosen.get(n, ".*") for n in ("model_name", "instance", "engine")]
+            counter_panels, empty = set(), []
+            for panel in dashboard["panels"]:
+                for target in panel.get("targets", []):
+                    query = substitute(target["expr"], values)
+                    result = vllm_only.query(query)
+                    if "vllm[:_]kv_offload_kvobs_" in query:
+                        counter_panels.add(panel["title"])
+                        if not result:
+                            empty.append(f"{panel['title']} {target['refId']}: {query}")
+                        # Each engine's either-or part carries vLLM's model_name and engine.
+                        for part in EITHER_OR.finditer(query):
+                            engines = {(r["metric"].get("model_name"), r["metric"].get("engine"))
+                                       for r in vllm_only.query(part[0])}
+                            assert engines == {(model, "0")}, part[0]
+                    elif "vllm[:_]kv_offload_" in query and not re.search(r"\bkvobs_", query):
+                        assert result, f"vLLM's own panel {panel['title']!r} is empty: {query}"
+                    elif not result:  # the panels vLLM's /metrics cannot feed say so
+                        assert re.search(r"needs? the sidecar", panel["description"], re.I), panel["title"]
+            assert empty == []
+            assert counter_panels >= COUNTER_PANELS, COUNTER_PANELS - counter_panels
+            evicted = next(t["expr"] for p in dashboard["panels"] if p["title"] == "Eviction rate by reason"
+                           for t in p["targets"] if t["refId"] == "A")
+            assert sum(float(r["value"][1]) for r in vllm_only.query(substitute(evicted, values))) > 0
+
+        # (b) Both paths, the same engine: each query gives what the sidecar's series alone give, never the
+        # sum. Counting series (series_counted) catches doubling where both paths counted nothing.
+        values = {**grafana_variables(both, dashboard, {"job": "kvobs"}), **rates}
+        assert values["job"] == "kvobs"
+        queries = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+        queries += [(a["name"], a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+        compared = 0
+        for where, expr in queries:
+            query = substitute(expr, values)
+            if "vllm[:_]kv_offload_kvobs_" not in query:
+                continue
+            for variant in (query, series_counted(query)):
+                at = time.time() - 1
+                read = query_at(both, variant, at)
+                sidecar_alone = query_at(both, only_path(variant, "sidecar"), at)
+                assert read == sidecar_alone, (where, variant, read, sidecar_alone)
+                if variant != query:  # vLLM's series alone cover the same engines and series: an overlap
+                    assert query_at(both, only_path(variant, "vllm"), at) == sidecar_alone, (where, variant)
+                    assert sidecar_alone and all(v > 0 for v in sidecar_alone.values()), (where, variant)
+                compared += 1
+        assert compared >= 2 * (len(COUNTER_PANELS) + 1)  # and the annotation
+        # The evictions counted on both paths (so adding them would show): both rates positive.
+        evicted_now = substitute(evicted, values)
+        at = time.time() - 1
+        assert sum(query_at(both, only_path(evicted_now, "sidecar"), at).values()) > 0
+        assert sum(query_at(both, only_path(evicted_now, "vllm"), at).values()) > 0
+    finally:
+        both.stop()
+        vllm_only.stop()
+        vllm_metrics.terminate()
+        vllm_metrics.wait(timeout=15)
+        sidecar.stop()

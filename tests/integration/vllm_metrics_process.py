@@ -11,11 +11,15 @@ Simulated (the GPU worker cannot run here): the worker's job-completion reports,
 transfer statistics in them (per job: one chunk's bytes loaded, two stored; 1 ms each).
 
 Usage: python vllm_metrics_process.py PORT [KVOBS_DIR]  (with KVOBS_DIR, kvobs journals there for a sidecar)
+
+With KVOBS_VLLM_METRICS=1 in the environment, the kvobs option ``vllm_metrics`` is on: kvobs's own
+counters join vLLM's series as ``vllm:kv_offload_kvobs_*_total`` (kvobs/vllm/vllm_metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 import time
@@ -37,10 +41,15 @@ def main() -> None:
     port = int(sys.argv[1])
     logging.getLogger("vllm").setLevel(logging.ERROR)
     logging.getLogger("kvobs").setLevel(logging.CRITICAL)
+    options: dict[str, object] = {"inner_spec": "TieringOffloadingSpec"}
+    if len(sys.argv) > 2:
+        options["dir"] = sys.argv[2]
+    if os.environ.get("KVOBS_VLLM_METRICS") == "1":
+        options["vllm_metrics"] = True
     extra = {
         "spec_name": "ObservedOffloadingSpec",
         "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": "TieringOffloadingSpec", **({"dir": sys.argv[2]} if len(sys.argv) > 2 else {})},
+        "kvobs": options,
         "secondary_tiers": [{"type": "FlakyTier", "module_path": "flaky_tier"}],
         "tier_poll_interval_s": 0,
     }

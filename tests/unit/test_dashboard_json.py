@@ -24,6 +24,13 @@ ENGINE_MATCHERS = ('cluster=~"$cluster"', 'job="$job"', 'instance=~"$instance"',
                    'engine=~"$engine"')
 SIDECAR_MATCHERS = ('cluster=~"$cluster"', 'job="$job"', 'instance=~"$instance"')
 VLLM_MATCHERS = ('cluster=~"$cluster"', 'instance=~"$instance"', 'model_name=~"$model_name"', 'engine=~"$engine"')
+ENGINES = "kvobs_build_info|vllm[:_]kv_offload_kvobs_evicted_chunks_total"
+"""The series the per-engine variables read: the sidecar's build info, or kvobs's evictions on vLLM's
+/metrics (the kvobs option vllm_metrics, kvobs/vllm/vllm_metrics.py)."""
+BOTH_PATHS = {"evicted_chunks_total", "load_failures_total", "hits_evicted_before_load_total"}
+"""kvobs's counters on either metrics path: the sidecar's kvobs_<name>, vLLM's vllm:kv_offload_kvobs_<name>."""
+ENGINE_ID = "cluster, namespace, instance, model_name, engine"
+"""What one engine's series of both paths share (instance: docker/prometheus/prometheus.yml, docker/k8s/)."""
 IDENTITY = ("cluster", "namespace", "job", "instance", "model_name", "engine")
 """The labels every aggregation of the rules keeps (cluster/namespace: a global view never merges clusters)."""
 
@@ -136,7 +143,7 @@ def test_datasource_is_the_variable_everywhere_and_no_uid_is_hard_coded(path: Pa
             assert value in (DS["uid"], GRAFANA_BUILTIN["uid"]), (where, value)
     assert seen > 20
     for panel in panels(dashboard):
-        if panel["type"] != "row":
+        if panel["type"] not in ("row", "text"):
             assert panel["datasource"] == DS and panel["targets"], panel["title"]
             assert all(t["datasource"] == DS for t in panel["targets"]), panel["title"]
 
@@ -151,10 +158,17 @@ def test_variables_datasource_cluster_job_model_name_instance_engine(path: Path)
     for var in variables[1:]:
         query = var["query"]
         assert var["type"] == "query" and var["datasource"] == DS
-        # Every value comes from the engines' kvobs_build_info: no sidecar pseudo-engine, no vLLM-only model.
-        match = re.fullmatch(r"label_values\(kvobs_build_info(\{.*\})?, (\w+)\)", query)
+        if var["name"] == "job":  # the sidecars' job: only the sidecar's kvobs_build_info has it
+            match = re.fullmatch(r"label_values\(kvobs_build_info(\{.*\})?, (\w+)\)", query)
+            follows = defined - {"datasource"}
+        else:
+            # The engines either metrics path shows (kvobs_build_info from the sidecar, kvobs's counter on
+            # vLLM's /metrics with the option vllm_metrics): no sidecar pseudo-engine, no model without kvobs.
+            # Not $job: with vLLM's path alone there is no sidecar job, and vLLM's series have their own.
+            match = re.fullmatch(r"label_values\(\{__name__=~\"" + re.escape(ENGINES) + r"\"(, .*)?\}, (\w+)\)", query)
+            follows = defined - {"datasource", "job"}
         assert match is not None and match.group(2) == var["name"], query
-        assert set(re.findall(r"\$(\w+)", query)) == defined - {"datasource"}, f"{var['name']} does not follow: {query}"
+        assert set(re.findall(r"\$(\w+)", query)) == follows, f"{var['name']} does not follow: {query}"
         if var["name"] == "job":  # one sidecar job at a time: the selectors read job="$job"
             assert not var["includeAll"] and not var["multi"]
         elif var["name"] == "cluster":  # All matches series without the label too (a single Prometheus)
@@ -350,3 +364,61 @@ def test_every_alert_has_a_promtool_test_that_fires_and_one_that_does_not() -> N
     assert names - fires == set(), "alerts without a firing test"
     assert names - quiet == set(), "alerts without a not-firing test"
     assert (fires | quiet) <= names, "tests of alerts that do not exist"
+
+
+def kvobs_counter_reads(expr: str) -> Iterator[tuple[str, str]]:
+    """(metric, path) for every read of the three counters both paths carry: path "sidecar" or "vllm"."""
+    for name, _ in selectors(expr):
+        for counter in BOTH_PATHS:
+            if name == f"kvobs_{counter}":
+                yield counter, "sidecar"
+            elif name == f"vllm:kv_offload_kvobs_{counter}":
+                yield counter, "vllm"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_the_counters_of_both_paths_are_read_either_or_never_both(path: Path) -> None:
+    """Issue 15: evictions, load failures and near misses from the sidecar or vLLM's /metrics. Each read
+    of one of them is ``sum by (<engine>, <label>) (f(sidecar's)) or sum by (<engine>, <label>) (f(vLLM's))``:
+    the same grouping on both sides, so ``or`` keeps the sidecar's engine where both are scraped."""
+    dashboard = load(path)
+    pair = re.compile(
+        r"sum by \((?P<by>[^)]*)\) \((?P<f>rate|increase)\(kvobs_(?P<m>\w+)\{(?P<s>[^}]*)\}\[(?P<w>[^\]]+)\]\)\) or "
+        r"sum by \((?P=by)\) \((?P=f)\(\{__name__=~\"vllm\[:_\]kv_offload_kvobs_(?P=m)\", (?P<v>[^}]*)\}\[(?P=w)\]\)\)")
+    dual_panels = set()
+    for where, expr in [*((p["title"], t["expr"]) for p, t in targets(dashboard)),
+                        *(("annotation", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a)]:
+        reads = list(kvobs_counter_reads(expr))
+        if not reads:
+            continue
+        pairs = list(pair.finditer(expr))
+        assert len(pairs) * 2 == len(reads), f"{where}: a counter read from one path only: {expr}"
+        for match in pairs:
+            assert match["m"] in BOTH_PATHS, expr
+            label = "reason" if match["m"] != "load_failures_total" else "cause"
+            assert match["by"] == f"{ENGINE_ID}, {label}", expr
+            assert "job=" not in match["v"], expr  # vLLM's series have vLLM's job
+            if where != "annotation":
+                dual_panels.add(where)
+    assert dual_panels >= {"Load failures in range", "Near misses /s", "Load failures by cause",
+                           "Near misses by reason", "Eviction rate by reason", "Near misses and failures per engine"}
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panels_only_the_sidecar_feeds_say_so(path: Path) -> None:
+    """A panel reading a kvobs series vLLM's /metrics does not carry says it needs the sidecar; the
+    dashboard says which panels work from either path."""
+    dashboard = load(path)
+    sidecar_only = 0
+    for panel in panels(dashboard):
+        names = {name for t in panel.get("targets", []) for name, _ in selectors(t["expr"])}
+        only = {n for n in names if not n.startswith("vllm:")} - {f"kvobs_{c}" for c in BOTH_PATHS}
+        if only:
+            sidecar_only += 1
+            assert re.search(r"\bneeds? the sidecar\b", panel["description"], re.I), (panel["title"], only)
+        elif names and all(n.startswith("vllm:") for n in names):
+            assert "needs the sidecar" not in panel["description"].lower(), panel["title"]
+    assert sidecar_only >= 15
+    (note,) = [p for p in panels(dashboard) if p["type"] == "text"]
+    assert "vllm_metrics" in note["options"]["content"] and "sidecar" in note["options"]["content"]
+    assert "vllm_metrics" in dashboard["description"]
