@@ -20,6 +20,8 @@ from kvobs.demo.incidents import promotion_evicts_hit
 
 DOCUMENT = list(range(1000, 1160))
 FILLER = list(range(5000, 5032))
+FILLERS = [list(range(5000 + 100 * i, 5049 + 100 * i)) for i in range(4)]
+"""The incidents' inputs (kvobs/demo/incidents.py), shared by the tests that replay them."""
 
 
 @dataclass

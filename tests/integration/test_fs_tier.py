@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scheduler_harness import DOCUMENT, FILLERS
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm_env import VLLM, create_spec, key, observed_extra
 
@@ -31,9 +32,6 @@ from kvobs.demo.incidents import (
 )
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-
-DOCUMENT = list(range(1000, 1160))
-FILLERS = [list(range(5000 + 100 * i, 5049 + 100 * i)) for i in range(4)]
 
 
 def observed_fs(tmp_path: Path, **build: Any) -> tuple[Any, EngineStepDriver]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
+from scheduler_harness import DOCUMENT, FILLERS
 from twin_driver import stats_shape
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import get_connector_metric_definitions
@@ -40,14 +41,27 @@ from kvobs.demo.workload import Traffic, Workload
 from kvobs.options import OptionError, parse_options
 from kvobs.vllm import ObservedOffloadingManager, compat, vllm_metrics
 
-DOCUMENT = list(range(1000, 1160))
-FILLERS = [list(range(5000 + 100 * i, 5049 + 100 * i)) for i in range(4)]
 SERIES = {
     "vllm:kv_offload_kvobs_evicted_chunks_total": ("reason", REASONS, "evicted"),
     "vllm:kv_offload_kvobs_load_failures_total": ("cause", CAUSES, "failures"),
     "vllm:kv_offload_kvobs_hits_evicted_before_load_total": ("reason", REASONS, "near_misses"),
 }
 """The series on vLLM's /metrics: label, its values, and the Observer counter they must equal."""
+
+
+def ordinary_traffic(driver: EngineStepDriver, *, seed: int, steps: int) -> Iterator[int]:
+    """The demo's chat and document traffic, one engine step per iteration: new requests, the
+    worker's jobs done, about a third of the running requests finished."""
+    rng = random.Random(seed)
+    traffic = Traffic(rng, Workload(), "v")
+    for step in range(steps):
+        driver.step([traffic.next_request() for _ in range(rng.randint(0, 2))])
+        driver.report_all_worker_jobs()
+        for request in driver.running:
+            if rng.random() < 0.3:
+                driver.finish(request)
+                traffic.finished(request)
+        yield step
 
 
 @pytest.fixture
@@ -119,15 +133,8 @@ def test_kvobs_counters_on_vllms_own_metrics(tmp_path: Path, vllm_registry: None
                          vllm_metrics.NEAR_MISSES: {(r,): 0 for r in REASONS}}
 
         replay_failure(driver)
-        rng = random.Random(7)
-        traffic = Traffic(rng, Workload(), "v")
-        for _ in range(40):  # ordinary traffic after it: more evictions, reported as increments
-            driver.step([traffic.next_request() for _ in range(rng.randint(0, 2))])
-            driver.report_all_worker_jobs()
-            for request in driver.running:
-                if rng.random() < 0.3:
-                    driver.finish(request)
-                    traffic.finished(request)
+        for _ in ordinary_traffic(driver, seed=7, steps=40):  # more evictions, reported as increments
+            pass
         engine_stats()
 
         assert len(failures) == 1 and "cause: evicted_after_lookup" in str(failures[0])
@@ -179,16 +186,8 @@ def test_default_off_reports_exactly_what_the_inner_spec_does() -> None:
         scheduler, _, kv_cache_config = build_scheduler(extra, hybrid=True, num_cpu_chunks=12)
         try:
             driver = EngineStepDriver(scheduler, kv_cache_config, on_load_failure=lambda exc, request: None)
-            rng = random.Random(11)
-            traffic = Traffic(rng, Workload(), "v")
             shapes = []
-            for _ in range(30):
-                driver.step([traffic.next_request() for _ in range(rng.randint(0, 2))])
-                driver.report_all_worker_jobs()
-                for request in driver.running:
-                    if rng.random() < 0.3:
-                        driver.finish(request)
-                        traffic.finished(request)
+            for _ in ordinary_traffic(driver, seed=11, steps=30):
                 stats = scheduler.get_stats()
                 shapes.append(None if stats is None else stats_shape(stats.data))
             runs.append(shapes)
