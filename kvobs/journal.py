@@ -25,6 +25,7 @@ directories 0700 and files 0600 (keys are hashes; no prompt text is written).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -47,6 +48,8 @@ from kvobs.wire import (
     encode_removals,
     encode_totals,
     failure_report,
+    fit_model_name,
+    report_name,
 )
 
 if TYPE_CHECKING:
@@ -119,9 +122,9 @@ def announce_unobserved(options: Options, vllm_version: str, reason: str, detail
     assert options.dir is not None
     engine = options.engine or "0"
     journal_dir = private_dir(private_dir(Path(options.dir)) / "journal")
-    writer = Writer(engine, os.getpid(), os.urandom(6).hex(), options.model_name or "")
+    writer = Writer(engine, os.getpid(), os.urandom(6).hex(), fit_model_name(options.model_name or ""))
     line = encode_hello(writer, time.time(), version=__version__, vllm_version=vllm_version, history_size=0,
-                        hot_path="", observing=False, reason=reason, detail=detail[:500])
+                        hot_path="", observing=False, reason=reason, detail=detail)
     fd = os.open(journal_dir / f"{engine}-{os.getpid()}.000000.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         write_all(fd, (line + "\n").encode())
@@ -147,7 +150,8 @@ class JournalSink(Sink):
         # Tells this writer's cumulative totals apart from any other's with the same engine and
         # pid: a restarted container reuses pids; two observed managers may share one process.
         self.run = os.urandom(6).hex()
-        self.writer = Writer(self.engine, os.getpid(), self.run, observer.options.model_name or "")
+        # Fitted to what the sidecar reads (a model path may be longer than a label it takes).
+        self.writer = Writer(self.engine, os.getpid(), self.run, fit_model_name(observer.options.model_name or ""))
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each batch)
         self.dropped = 0
@@ -157,6 +161,7 @@ class JournalSink(Sink):
         self._fd: int | None = None
         self._wall_offset = time.time() - time.monotonic()
         self._reports = 0
+        self._totals_seq = itertools.count(1)  # next() is atomic: two flushing threads never share one
         self.writer_cpu_s = 0.0
         """CPU seconds the writer thread has spent (the overhead benchmark adds it to the engine's)."""
         self._closed = threading.Event()
@@ -190,7 +195,7 @@ class JournalSink(Sink):
     def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
         """Durable report, then a bounded synchronous drain of the journal."""
         report = failure_report(diagnosis, exc, self.writer, time.time(), trace=self._failure_span(diagnosis, exc))
-        name = f"{int(report['time'] * 1000):015d}-{self.engine}-{os.getpid()}-{self._reports}.json"
+        name = report_name(report["time"], self.engine, os.getpid(), self._reports)
         self._reports += 1
         try:
             write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
@@ -234,7 +239,7 @@ class JournalSink(Sink):
             self.writer, time.time(),
             {"evicted": obs.evicted, "batches": obs.batches, "near": obs.near_misses, "failures": obs.failures,
              "errors": obs.internal_errors, "dropped": {"journal": self.dropped, "verdicts": obs.promises.dropped}},
-            history_keys=stats.keys, history_window_s=stats.window(time.monotonic()),
+            history_keys=stats.keys, history_window_s=stats.window(time.monotonic()), seq=next(self._totals_seq),
         )
 
     def flush(self, timeout: float = -1, durable: bool = False) -> bool:

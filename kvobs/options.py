@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvobs.wire import ENGINE_LABEL, MAX_MODEL_NAME
+
 MIN_HISTORY_SIZE = 1_024
 MAX_HISTORY_SIZE = 100_000_000
-ENGINE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
-"""An ``engine`` label kvobs accepts: it names the engine's journal files, so it must be a safe file name."""
 
 
 class OptionError(ValueError):
@@ -57,7 +56,6 @@ _INT_RANGES = {
 }
 _STRINGS = ("dir", "engine", "model_name")
 _BOOLS = ("vllm_metrics",)
-MAX_MODEL_NAME = 256
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 
 

@@ -28,9 +28,11 @@ import base64
 import binascii
 import bisect
 import contextlib
+import hashlib
 import json
-import math
+import logging
 import os
+import re
 import stat
 import sys
 from array import array
@@ -66,31 +68,99 @@ MAX_SECONDS = 1e10
 """A time or age beyond this (about 317 years) is not one kvobs wrote."""
 _LITTLE = sys.byteorder == "little"
 
+# -- the text limits writer and reader share (one definition each; the writer fits to them) --
+
+MAX_LABEL = 256
+"""An ``engine`` label or another short text field (kvobs's own engine labels are 1-64 characters)."""
+MAX_MODEL_NAME = 4096
+"""A ``model_name`` label: PATH_MAX, so any model path vLLM takes as its served name fits whole and
+kvobs's label still joins vLLM's (the ``model_name`` option has the same limit, kvobs.options)."""
+MAX_REQ_ID = 4096
+"""A request id in a removals line or a report: clients choose them, so longer ones are fitted."""
+MAX_DETAIL = 500
+"""Why an engine runs unobserved (a ``hello``'s ``detail``)."""
+ENGINE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+"""An ``engine`` label kvobs writes (the option is checked against it): it names the engine's journal
+files and reports, so it must be a safe file name."""
+REPORT_ID = re.compile(rf"\d{{15}}-(?:{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
+"""A failure report's id, the stem of its file name (:func:`report_name`); ids sort by time."""
+
+
+def report_name(wall_time: float, engine: str, pid: int, n: int) -> str:
+    """The file name of a failure report: its millisecond wall time first, so names sort by time."""
+    return f"{int(wall_time * 1000):015d}-{engine}-{pid}-{n}.json"
+
 
 # -- validation ---------------------------------------------------------------------------
 
 
-def is_count(value: Any) -> TypeIs[int | float]:
-    """A non-negative integer (JSON may write it as 3 or 3.0) within float64's exact range."""
+def is_number(value: Any, low: float, high: float, *, integer: bool = False) -> TypeIs[int | float]:
+    """The one check every number read from disk or a request passes before any arithmetic.
+
+    Never raises: JSON integers are unbounded, and ``math.isfinite`` or ``float()`` of one no
+    float holds raises ``OverflowError``; comparing an ``int`` with a float bound is exact and
+    cannot overflow, so the range is checked before anything converts the value.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    return 0 <= value <= MAX_COUNT and float(value).is_integer()
+    if isinstance(value, float) and (value != value or (integer and not value.is_integer())):
+        return False  # NaN, or a float that is not a whole number where one is needed
+    return low <= value <= high  # also refuses ±inf
+
+
+def is_count(value: Any) -> TypeIs[int | float]:
+    """A non-negative integer (JSON may write it as 3 or 3.0) within float64's exact range."""
+    return is_number(value, 0, MAX_COUNT, integer=True)
 
 
 def is_seconds(value: Any, *, signed: bool = False) -> TypeIs[int | float]:
     """A finite number of seconds within ``MAX_SECONDS`` (non-negative unless ``signed``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and (-MAX_SECONDS if signed else 0.0) <= value <= MAX_SECONDS
+    return is_number(value, -MAX_SECONDS if signed else 0.0, MAX_SECONDS)
 
 
-def is_label(value: Any, max_len: int = 256) -> TypeIs[str]:
+def is_label(value: Any, max_len: int = MAX_LABEL) -> TypeIs[str]:
     return isinstance(value, str) and 0 < len(value) <= max_len
 
 
 def is_model_name(value: Any) -> TypeIs[str]:
     """A ``model_name`` label value as kvobs writes it ("" when not known)."""
-    return isinstance(value, str) and len(value) <= 256 and value.isprintable()
+    return isinstance(value, str) and len(value) <= MAX_MODEL_NAME and value.isprintable()
+
+
+_fitted: set[str] = set()  # the fields whose fitting was logged (once each)
+
+
+def fit_text(value: str, limit: int, what: str, *, printable: bool = False) -> str:
+    """``value`` as a writer may write it: unchanged when its reader takes it, else fitted.
+
+    Fitted: (where ``printable`` is asked) characters that are not become ``?``, and a text over ``limit`` keeps its
+    first characters and ends with ``~`` and 16 hex digits of its sha256, so two long values
+    stay apart. Said once per ``what`` in the log. Readers fit what an older writer wrote the
+    same way, so a value is never why a record is refused.
+    """
+    if len(value) <= limit and (not printable or value.isprintable()):
+        return value
+    fitted = "".join(c if c.isprintable() else "?" for c in value) if printable else value
+    if len(fitted) > limit:
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        fitted = fitted[: max(0, limit - 17)] + "~" + digest
+    if what not in _fitted:
+        _fitted.add(what)
+        logging.getLogger("kvobs").warning(
+            "kvobs: a %s of %d characters does not fit the journal's limit (%d characters%s); "
+            "written as %r (cut, with a hash of the whole; said once)", what, len(value), limit,
+            ", printable" if printable else "", fitted[:80])
+    return fitted
+
+
+def fit_model_name(value: str) -> str:
+    """The ``model_name`` label as journals and reports carry it (:func:`fit_text`)."""
+    return fit_text(value, MAX_MODEL_NAME, "model_name", printable=True)
+
+
+def fit_req_id(value: str | None) -> str | None:
+    """A request id as removals lines and reports carry it (:func:`fit_text`)."""
+    return value if value is None else fit_text(value, MAX_REQ_ID, "request id")
 
 
 def _counter_map(value: Any, labels: Sequence[str] | None = None) -> dict[str, float] | None:
@@ -164,6 +234,13 @@ class Totals(NamedTuple):
     counters: dict[str, dict[str, float]]  # evicted, batches, near, failures, errors, dropped
     history_keys: float
     history_window_s: float
+    seq: int = 0
+    """The writer's sequence number of this totals line (0 from writers before it had one): a reader
+    keeps the highest, so a line read late (another file, a backlog) never replaces a newer one."""
+
+    def newer_than(self, other: Totals) -> bool:
+        """Whether these totals were written after ``other`` (same writer): by sequence, then time."""
+        return (self.seq, self.time) >= (other.seq, other.time)
 
 
 class Removals(NamedTuple):
@@ -232,14 +309,18 @@ OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
 
 def encode_hello(writer: Writer, time: float, *, version: str, vllm_version: str, history_size: int,
                  hot_path: str, observing: bool = True, reason: str = "ok", detail: str = "") -> str:
-    return _dumps({**_head("hello", writer), "t": time, "format": FORMAT_VERSION, "version": version,
-                   "vllm_version": vllm_version, "history_size": history_size, "hot_path": hot_path,
-                   "observing": observing, "reason": reason, "detail": detail})
+    return _dumps({**_head("hello", writer), "t": time, "format": FORMAT_VERSION,
+                   "version": fit_text(version, MAX_LABEL, "version"),
+                   "vllm_version": fit_text(vllm_version, MAX_LABEL, "vllm_version"), "history_size": history_size,
+                   "hot_path": fit_text(hot_path, MAX_LABEL, "hot_path"), "observing": observing, "reason": reason,
+                   "detail": detail[:MAX_DETAIL]})
 
 
 def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[str, int]], *,
-                  history_keys: int, history_window_s: float) -> str:
-    return _dumps({**_head("totals", writer), "t": time, **{k: dict(counters.get(k, {})) for k in TOTAL_KEYS},
+                  history_keys: int, history_window_s: float, seq: int) -> str:
+    """``seq``: this writer's count of totals lines so far (``Totals.seq``)."""
+    return _dumps({**_head("totals", writer), "t": time, "q": seq,
+                   **{k: dict(counters.get(k, {})) for k in TOTAL_KEYS},
                    "hist_keys": history_keys, "hist_window": history_window_s})
 
 
@@ -294,7 +375,7 @@ def encode_removals(writer: Writer, run: RemovalRun, wall_offset: float) -> list
         "f": _b64(bytes(run.flags)),
         "c": _b64(counts.astype("<u4").tobytes()),
         "l": _b64(listed.astype("<u4").tobytes()),
-        "req": run.reqs,
+        "req": [fit_req_id(r) for r in run.reqs] if any(r and len(r) > MAX_REQ_ID for r in run.reqs) else run.reqs,
         "keys": _b64(refs),
         "ages": _b64(ages.astype("<f4").tobytes()),
     }
@@ -320,9 +401,9 @@ def _writer(record: dict[str, Any]) -> Writer | None:
     engine, pid, run, model = record.get("e"), record.get("pid"), record.get("run"), record.get("m", "")
     if not is_label(engine) or not is_count(pid) or not (run is None or is_label(run, 64)):
         return None
-    if not is_model_name(model):
+    if not isinstance(model, str):
         return None
-    return Writer(engine, int(pid), run or "", model)
+    return Writer(engine, int(pid), run or "", fit_model_name(model))
 
 
 def decode_record(record: Any) -> Record | None:
@@ -353,20 +434,21 @@ def decode_record(record: Any) -> Record | None:
             if counts is None:
                 return None
             counters[name] = counts
-        keys, window = record.get("hist_keys", 0), record.get("hist_window", 0.0)
-        if not is_count(keys) or not is_seconds(window):
+        keys, window, seq = record.get("hist_keys", 0), record.get("hist_window", 0.0), record.get("q", 0)
+        if not is_count(keys) or not is_seconds(window) or not is_count(seq):
             return None
-        return Totals(writer, float(time), counters, float(keys), float(window))
+        return Totals(writer, float(time), counters, float(keys), float(window), int(seq))
     if kind == "hello":
         texts = {k: record.get(k, "") for k in ("version", "vllm_version", "hot_path")}
         size, observing = record.get("history_size", 0), record.get("observing", True)
         reason, detail = record.get("reason", "ok"), record.get("detail", "")
-        if not all(isinstance(v, str) and len(v) <= 256 for v in texts.values()) or not is_count(size):
+        if not all(isinstance(v, str) for v in texts.values()) or not is_count(size):
             return None
         if not isinstance(observing, bool) or reason not in OBSERVING_REASONS or not isinstance(detail, str):
             return None
+        texts = {k: fit_text(v, MAX_LABEL, k) for k, v in texts.items()}
         return Hello(writer, float(time), texts["version"], texts["vllm_version"], int(size), texts["hot_path"],
-                     observing, reason, detail[:500])
+                     observing, reason, detail[:MAX_DETAIL])
     if kind in ("near_miss", "failure"):
         return Note(writer, kind, float(time),
                     {k: v for k, v in record.items() if k not in ("k", "e", "pid", "run", "m")})
@@ -392,8 +474,10 @@ def _decode_removals(writer: Writer, record: dict[str, Any]) -> Removals | None:
         return None
     if not isinstance(reqs, list) or len(reqs) != n:
         return None
-    if not all(r is None or (isinstance(r, str) and len(r) <= 4096) for r in reqs):
+    if not all(r is None or isinstance(r, str) for r in reqs):
         return None
+    if any(r is not None and len(r) > MAX_REQ_ID for r in reqs):  # an older writer's: fitted, not refused
+        reqs = [fit_req_id(r) for r in reqs]
     if any(shown > count for shown, count in zip(listed, counts, strict=True)) or len(ages) != sum(listed):
         return None
     try:
@@ -517,8 +601,7 @@ class Histogram:
             return None
         counts, total = value.get("counts"), value.get("sum", value.get("total"))
         if not (isinstance(counts, list) and len(counts) == len(BUCKETS) + 1 and all(is_count(c) for c in counts)
-                and isinstance(total, int | float) and not isinstance(total, bool) and math.isfinite(total)
-                and 0 <= total <= MAX_COUNT * MAX_SECONDS):
+                and is_number(total, 0, MAX_COUNT * MAX_SECONDS)):
             return None
         return cls([int(c) for c in counts], float(total))
 
@@ -547,7 +630,7 @@ def failure_report(
         "exception_type": type(exc).__name__,
         "vllm_message": failure.vllm_message,
         "message": diagnosis.message,
-        "req_id": failure.req_id,
+        "req_id": fit_req_id(failure.req_id),
         "group": failure.failing_group,
         "cause": diagnosis.cause,
         "causes": diagnosis.causes,
@@ -574,7 +657,7 @@ def failure_report(
                 else {
                     "reason": k.facts.last_removal.reason,
                     "path": k.facts.last_removal.path,
-                    "req_id": k.facts.last_removal.req_id,
+                    "req_id": fit_req_id(k.facts.last_removal.req_id),
                 },
                 "evidence": k.evidence,
             }
@@ -684,8 +767,9 @@ def decode_report(name: str, data: Any) -> Report | None:
         return None
     engine, when, cause = data.get("engine"), data.get("time"), data.get("cause")
     model = data.get("model_name", "")
-    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES or not is_model_name(model):
+    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
         return None
+    model = fit_model_name(model)
     for name_ in ("history_keys", "num_keys", "num_missing"):
         if name_ in data and not is_count(data[name_]):
             return None

@@ -21,7 +21,8 @@ all optional; ``engine``, ``model_name`` and ``cause`` may repeat (any of the va
 ``next`` is the relative URL of the next page (the same filters, ``before`` the last id
 served), or null when no more reports match. Follow it until it is null: a page can hold fewer
 than ``limit`` reports when the request read ``MAX_SCANNED`` report files or ``MAX_PAGE_BYTES``
-of them first (each request's work is bounded). An unknown parameter is a 400, as is a bad value.
+of them first (each request's work is bounded). Every parameter is checked by its rule
+(``kvobs.sidecar.query``): an unknown one or a bad value is a 400 whose ``parameter`` names it.
 Example: ``GET /api/v1/failures?engine=dp0&cause=evicted_after_lookup&since=1767225600&limit=50``.
 
 Bounded: at most ``MAX_CONNECTIONS`` handled at once (more are closed at once),
@@ -36,7 +37,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import math
 import re
 import socket
 import threading
@@ -46,22 +46,21 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from kvobs.codes import BUCKETS, CAUSES
+from kvobs.codes import BUCKETS
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-from kvobs.wire import Report, read_report, report_files
+from kvobs.sidecar.query import DEFAULT_FAILURES, QueryError, parse_params
+from kvobs.wire import REPORT_ID, Report, read_report, report_files
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
 REQUEST_DEADLINE_S = 10.0
 """From the start of waiting for a request to the end of its headers (idle keep-alive included)."""
-MAX_FAILURES = 1_000
-DEFAULT_FAILURES = 100
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -78,34 +77,9 @@ MAX_SCANNED = 5_000
 """Report files one /api/v1/failures request reads at most; then it answers with what matched and a ``next``."""
 MAX_PAGE_BYTES = 64 * 2**20
 """Report bytes (as on disk) one page holds at most; it always holds at least one report."""
-FAILURE_PARAMS = ("limit", "engine", "model_name", "cause", "since", "before")
 AGE_BOUNDS: list[float | str] = [*BUCKETS, "+Inf"]
 """The upper bounds of a ``missing_summary.ages`` histogram's ``counts``, one per count."""
-_MAX_PARAM_CHARS = 256
 _TIMED_NAME = re.compile(r"(\d{15})-")  # a report's file name starts with its millisecond wall time
-
-
-class QueryError(ValueError):
-    """A bad /api/v1/failures query (a 400, with this message)."""
-
-
-def _one(params: dict[str, list[str]], name: str) -> str | None:
-    values = params.get(name)
-    if not values:
-        return None
-    if len(values) > 1:
-        raise QueryError(f"{name} given {len(values)} times; give it once")
-    return values[0]
-
-
-def _labels(params: dict[str, list[str]], name: str, *, allow_empty: bool = False) -> frozenset[str] | None:
-    values = params.get(name)
-    if values is None:
-        return None
-    for value in values:
-        if (not value and not allow_empty) or len(value) > _MAX_PARAM_CHARS:
-            raise QueryError(f"{name} must be 1..{_MAX_PARAM_CHARS} characters, got {value[:_MAX_PARAM_CHARS]!r}")
-    return frozenset(values)
 
 
 @dataclass(frozen=True)
@@ -121,45 +95,22 @@ class FailureQuery:
 
     @classmethod
     def parse(cls, query: str) -> FailureQuery:
-        """The query string's filters; :class:`QueryError` naming what does not fit."""
-        try:
-            params = parse_qs(query, keep_blank_values=True, max_num_fields=64)
-        except ValueError:
-            raise QueryError("too many query parameters") from None
-        unknown = sorted(set(params) - set(FAILURE_PARAMS))
-        if unknown:
-            raise QueryError(f"unknown parameter {unknown[0][:_MAX_PARAM_CHARS]!r} (parameters: "
-                             f"{', '.join(FAILURE_PARAMS)})")
-        limit_text, since_text, before = _one(params, "limit"), _one(params, "since"), _one(params, "before")
-        limit = DEFAULT_FAILURES
-        if limit_text is not None:
-            try:
-                limit = int(limit_text)
-            except ValueError:
-                limit = 0
-            if not 1 <= limit <= MAX_FAILURES:
-                raise QueryError(f"limit must be an integer in [1, {MAX_FAILURES}]")
-        since = None
-        if since_text is not None:
-            try:
-                since = float(since_text)
-            except ValueError:
-                since = math.nan
-            if not math.isfinite(since):
-                raise QueryError(f"since must be unix seconds (a number), got {since_text[:_MAX_PARAM_CHARS]!r}")
-        if before is not None and not 0 < len(before) <= _MAX_PARAM_CHARS:
-            raise QueryError(f"before must be a report id (1..{_MAX_PARAM_CHARS} characters)")
-        causes = _labels(params, "cause")
-        for cause in sorted(causes or ()):
-            if cause not in CAUSES:
-                raise QueryError(f"unknown cause {cause!r} (causes: {', '.join(CAUSES)})")
-        return cls(limit, _labels(params, "engine"), _labels(params, "model_name", allow_empty=True), causes,
-                   since, before)
+        """The query string's filters, each parameter by its rule (``kvobs.sidecar.query``); a
+        :class:`QueryError` naming the parameter that does not fit."""
+        params = parse_params(query)
+
+        def one(name: str) -> Any:
+            return params[name][0] if name in params else None
+
+        def any_of(name: str) -> frozenset[Any] | None:
+            return frozenset(params[name]) if name in params else None
+
+        return cls(one("limit") or DEFAULT_FAILURES, any_of("engine"), any_of("model_name"), any_of("cause"),
+                   one("since"), one("before"))
 
     def matches(self, report: Report) -> bool:
-        model = report.data.get("model_name") or ""
         return ((self.engines is None or report.engine in self.engines)
-                and (self.models is None or model in self.models)
+                and (self.models is None or report.model_name in self.models)
                 and (self.causes is None or report.cause in self.causes)
                 and (self.since is None or report.time >= self.since))
 
@@ -187,7 +138,9 @@ class FailureQuery:
 
 def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:
     """(id, path) of the report files, newest first (ids sort by time; one order for ``before``)."""
-    return sorted(((path.stem, path) for path in report_files(failures_dir)), key=lambda item: item[0], reverse=True)
+    # Only files named as kvobs names reports: every id served is one ``before`` accepts.
+    return sorted(((path.stem, path) for path in report_files(failures_dir) if REPORT_ID.fullmatch(path.stem)),
+                  key=lambda item: item[0], reverse=True)
 
 
 def served_report(report: Report, report_id: str) -> dict[str, Any]:
@@ -349,7 +302,7 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 query = FailureQuery.parse(url.query)
             except QueryError as exc:
-                self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+                self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
                 return
             failures, cursor = failure_page(self.server.ingest.dir / "failures", query)
             next_url = None if cursor is None else query.next_url(cursor)

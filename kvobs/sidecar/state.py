@@ -71,6 +71,10 @@ class EngineState:
     missing_age: dict[str, Histogram] = field(default_factory=dict)  # group
     exemplars: dict[str, tuple[str, float]] = field(default_factory=dict)
     """cause -> (trace_id, time) of the newest failure whose span was sampled: one per series."""
+    failure_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """cause -> (newest, previous) failure report time (0: none): alerts read when failures happened,
+    not when Prometheus first saw a counter move, so a Prometheus restart, a second replica or a
+    scrape gap neither re-raises old failures nor hides new ones."""
 
     def totals(self) -> dict[str, dict[str, float]]:
         summed: dict[str, dict[str, float]] = {k: dict(v) for k, v in self.retired.items()}
@@ -129,9 +133,11 @@ class SidecarState:
         state.last_record_time = max(state.last_record_time, record.time)
         if isinstance(record, Totals):
             writer = f"{record.writer.pid}/{record.writer.run}"
-            state.live[writer] = LiveWriter(stem, record)
-        elif isinstance(record, Hello):
-            state.hello = record
+            have = state.live.get(writer)
+            if have is None or record.newer_than(have.totals):  # by the writer's sequence, not read order
+                state.live[writer] = LiveWriter(stem, record)
+        elif isinstance(record, Hello) and (state.hello is None or record.time >= state.hello.time):
+            state.hello = record  # the newest writer's, whatever was read first
 
     def retire_writers(self, stems_present: set[str]) -> None:
         """Writers none of whose journal files exist any more cannot write again: sum them up."""
@@ -153,6 +159,11 @@ class SidecarState:
             if have is None:
                 have = state.missing_age[group] = Histogram()
             have.add(hist.counts, hist.total)
+        newest_t, previous_t = state.failure_times.get(report.cause, (0.0, 0.0))
+        if report.time >= newest_t:
+            state.failure_times[report.cause] = (report.time, newest_t)
+        elif report.time > previous_t:  # reports are read in name (time) order, but a late one may arrive
+            state.failure_times[report.cause] = (newest_t, report.time)
         if report.trace_id is not None:
             newest = state.exemplars.get(report.cause)
             if newest is None or report.time >= newest[1]:
@@ -174,7 +185,7 @@ class SidecarState:
                     "engine": identity[1],
                     "live": {
                         writer: {"stem": w.stem, "pid": w.totals.writer.pid, "run": w.totals.writer.run,
-                                 "t": w.totals.time, "counters": w.totals.counters,
+                                 "t": w.totals.time, "q": w.totals.seq, "counters": w.totals.counters,
                                  "hist_keys": w.totals.history_keys, "hist_window": w.totals.history_window_s}
                         for writer, w in e.live.items()
                     },
@@ -186,6 +197,7 @@ class SidecarState:
                     "missing": [[c, g, n] for (c, g), n in e.missing.items()],
                     "missing_age": {g: h.to_json() for g, h in e.missing_age.items()},
                     "exemplars": [[c, t, when] for c, (t, when) in e.exemplars.items()],
+                    "failure_times": [[c, newest, previous] for c, (newest, previous) in e.failure_times.items()],
                 }
                 for identity, e in self.engines.items()
             ],
@@ -280,6 +292,7 @@ class _Restore:
             engine.live[str(writer)] = LiveWriter(w["stem"], Totals(
                 self._writer("", int(w["pid"]), w["run"]), self._seconds(w.get("t")), self._counters(w.get("counters")),
                 float(self._count(w.get("hist_keys"))), self._seconds(w.get("hist_window")),
+                self._count(w.get("q", 0)),
             ))
         engine.retired = self._counters(e.get("retired"))
         hello = e.get("hello")
@@ -313,6 +326,10 @@ class _Restore:
             if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and is_hex_id(row[1], 32)):
                 raise ValueError("bad exemplar")
             engine.exemplars[row[0]] = (row[1], self._seconds(row[2]))
+        for row in e.get("failure_times") or []:  # absent from checkpoints written before these times
+            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES):
+                raise ValueError("bad failure times")
+            engine.failure_times[row[0]] = (self._seconds(row[1]), self._seconds(row[2]))
 
 
 def load_checkpoint(path: Path) -> SidecarState | None:

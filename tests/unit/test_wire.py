@@ -101,11 +101,11 @@ def _line(**changes: Any) -> dict[str, Any]:
         _line(to=float("inf")),
         _line(to=1e300),
         _line(ages="AAAA"),  # one float32 where the listed keys need more
-        json.loads(encode_totals(W, 1.0, {"evicted": {"capacity": 3}}, history_keys=1, history_window_s=0.5))
+        json.loads(encode_totals(W, 1.0, {"evicted": {"capacity": 3}}, history_keys=1, history_window_s=0.5, seq=1))
         | {"evicted": {"capacity": 1e300}},
-        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"hist_window": -1},
-        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"failures": {"nope": 1}},
-        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5)) | {"t": float("nan")},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5, seq=1)) | {"hist_window": -1},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5, seq=1)) | {"failures": {"nope": 1}},
+        json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5, seq=1)) | {"t": float("nan")},
         json.loads(encode_hello(W, 1.0, version="1", vllm_version="0.33.0", history_size=10, hot_path="python"))
         | {"history_size": "big"},
         {"k": "batch", "e": "dp0", "pid": 1},  # the old format's kind
