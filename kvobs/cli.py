@@ -123,7 +123,7 @@ def _explain(args: argparse.Namespace) -> int:
             if args.dir:
                 add_directory_evidence(entries, Path(args.dir))
             if args.sidecar:
-                add_sidecar_evidence(entries, args.sidecar)
+                scan.damage.extend(add_sidecar_evidence(entries, args.sidecar))  # where paging stopped, if it did
             found_any = found_any or bool(entries)
             if args.json:
                 results.append({"source": name, "assertions": as_json(entries), "not_shown": scan.not_shown,

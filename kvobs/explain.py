@@ -7,7 +7,9 @@ it, and — given a kvobs directory or a sidecar URL — adds what kvobs recorde
 its failure report and its last removals. Without kvobs data it says what the log alone tells
 and what to enable next time.
 
-Logs are read as they are shipped: plain text (LF or CRLF), gzip-compressed (rotated logs), and
+Logs are read as they are shipped (``kvobs.logtext``: by content, whatever the file's name): UTF-8,
+UTF-16 or UTF-32 (a byte-order mark, or UTF-16's NUL pattern), LF or CRLF, gzip, xz or bz2
+compressed (rotated logs), every ECMA-48 escape sequence removed (colours, ``tput sgr0``, OSC), and
 any JSON wrapping — vLLM's JSON log formatter, Docker's json-file lines, Loki or Elasticsearch
 exports — whose string values are decoded (nested up to ``MAX_JSON_DEPTH``) before the assertion
 is looked for, so the key reads the same whatever the escaping.
@@ -20,21 +22,21 @@ key that cannot be parsed is shown raw.
 from __future__ import annotations
 
 import ast
-import gzip
-import io
+import itertools
 import json
 import re
+import time
 import urllib.error
 import urllib.request
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, cast
+from typing import Any, BinaryIO
 
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
+from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
 from kvobs.wire import (
     MAX_LINE_BYTES as MAX_JOURNAL_LINE_BYTES,
     MAX_REPORT_BYTES,
@@ -44,8 +46,8 @@ from kvobs.wire import (
     key_ref,
 )
 
-MAX_LINE_BYTES = 1 << 20
-"""Longer log lines are cut (an assertion line is a few hundred bytes; kvobs's own ~2 KiB)."""
+MAX_LINE_CHARS = 1 << 20
+"""Longer log lines are cut (an assertion line is a few hundred characters; kvobs's own ~2 KiB)."""
 MAX_ASSERTIONS = 1_000
 """Distinct assertions reported per run; further ones are counted."""
 MAX_JOURNAL_BYTES = 2 << 30
@@ -55,7 +57,12 @@ MAX_DROPPED_TRACKED = 1_000_000
 MAX_JSON_DEPTH = 3
 """JSON inside JSON that is decoded (Docker's json-file line around vLLM's JSON formatter is 2)."""
 REMOVALS_SHOWN = 3
-GZIP_MAGIC = b"\x1f\x8b"
+FAILURES_PATH = "/api/v1/failures"
+SIDECAR_PAGE_REPORTS = 1_000
+MAX_SIDECAR_PAGES = 100
+"""Pages of the sidecar's reports read at most (100,000 reports); then explain says where it stopped."""
+SIDECAR_DEADLINE_S = 120.0
+"""Time spent reading the sidecar's pages at most (each request has a 10 s timeout of its own)."""
 MAX_PLAUSIBLE_GROUP = 1024
 """A key whose last 4 bytes read as a larger group index is a bare block hash (no group suffix)."""
 
@@ -70,7 +77,6 @@ KVOBS_CAUSE = re.compile(r"cause: (?P<cause>[a-z_]+) \((?P<evidence>[^\n]*?)\)(?
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 WORDING_HINTS = ("not found in", "not ready for reading")
 ENGINE = re.compile(r"EngineCore(?:_DP|_)?(?P<dp>\d+)?\b")
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_TIME = re.compile(r"\b(?P<time>\d\d-\d\d \d\d:\d\d:\d\d)\b")
 
 MEANING = {
@@ -132,36 +138,6 @@ class LoggedAssertion:
 # -- reading logs ---------------------------------------------------------------------------
 
 
-class _LineReader(Protocol):
-    def readline(self, size: int = -1, /) -> bytes: ...
-
-
-def _uncompressed(stream: BinaryIO) -> _LineReader:
-    """The stream itself, or its gzip decompression when it starts with gzip's magic bytes."""
-    reader: Any = stream if hasattr(stream, "peek") else io.BufferedReader(cast(Any, stream))
-    if reader.peek(len(GZIP_MAGIC))[: len(GZIP_MAGIC)] == GZIP_MAGIC:
-        return gzip.GzipFile(fileobj=reader, mode="rb")
-    return cast(_LineReader, reader)
-
-
-def _lines(stream: _LineReader, damage: list[str]) -> Iterator[str]:
-    """Decoded lines without their line ending (LF or CRLF), each at most MAX_LINE_BYTES (the rest
-    of a longer line is skipped). A damaged gzip stream ends the input; ``damage`` says why."""
-    try:
-        while True:
-            raw = stream.readline(MAX_LINE_BYTES)
-            if not raw:
-                return
-            if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                while True:  # skip the remainder of an over-long line
-                    rest = stream.readline(MAX_LINE_BYTES)
-                    if not rest or rest.endswith(b"\n"):
-                        break
-            yield ANSI.sub("", raw.decode("utf-8", errors="replace")).rstrip("\r\n")
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # a cut or corrupt gzip: keep what was read
-        damage.append(f"compressed input damaged ({exc or type(exc).__name__}); read up to there")
-
-
 def _texts(line: str, depth: int = 0) -> list[str]:
     """The texts of a line to search: the line itself, or — when it is JSON (a formatter, a log
     shipper, an export) — its decoded string values that hold an assertion, one per line of each."""
@@ -177,7 +153,7 @@ def _texts(line: str, depth: int = 0) -> list[str]:
             continue
         if isinstance(value, str):  # decoded: the raw text would misread escaped keys
             for part in value.splitlines():
-                decoded.extend(_texts(ANSI.sub("", part), depth + 1))
+                decoded.extend(_texts(strip_escapes(part), depth + 1))
     return decoded if any(ASSERTION.search(text) for text in decoded) else [line]
 
 
@@ -216,7 +192,12 @@ def scan_log(stream: BinaryIO) -> LogScan:
     dropped: set[tuple[str, str, str]] = set()
     untracked = 0
     damage: list[str] = []
-    for number, line in enumerate(_lines(_uncompressed(stream), damage), start=1):
+    try:
+        lines = enumerate(log_lines(stream, damage, MAX_LINE_CHARS), start=1)
+        first = next(lines, None)
+    except UnreadableLog as exc:
+        raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
+    for number, line in itertools.chain(() if first is None else (first,), lines):
         for text in _texts(line):
             for match in ASSERTION.finditer(text):
                 state = "missing" if match["what"].startswith("not found") else "not_ready"
@@ -363,24 +344,48 @@ def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[st
                 }
 
 
-def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> None:
-    """Failure reports from a running sidecar's /api/v1/failures."""
-    endpoint = url.rstrip("/") + "/api/v1/failures?limit=1000"
-    if not endpoint.startswith(("http://", "https://")):
+def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
+    """Failure reports from a running sidecar's /api/v1/failures, every page (the API's ``next``)
+    until it is null, at most ``MAX_SIDECAR_PAGES`` pages and ``SIDECAR_DEADLINE_S``; the notes
+    returned say where it stopped when it did not read them all."""
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
         raise ExplainError(f"--sidecar {url}: expected an http:// or https:// URL")
+    page: str | None = f"{FAILURES_PATH}?limit={SIDECAR_PAGE_REPORTS}"
+    deadline = time.monotonic() + SIDECAR_DEADLINE_S
+    pages = read = 0
+    while page is not None:
+        if pages >= MAX_SIDECAR_PAGES or time.monotonic() > deadline:
+            bound = f"{MAX_SIDECAR_PAGES} pages" if pages >= MAX_SIDECAR_PAGES else f"{SIDECAR_DEADLINE_S:.0f} s"
+            return [f"--sidecar: stopped after {pages} pages ({read} reports, the bound is {bound}); older "
+                    f"reports were not read (next: {base}{page[:200]}); narrow with --dir or read the API"]
+        reports, page = _sidecar_page(base, page, url)
+        pages += 1
+        read += len(reports)
+        for report in reports:
+            if isinstance(report, dict):
+                for entry in entries:
+                    if _report_matches(report, entry) and report not in entry.reports:
+                        entry.reports.append(report)
+    return []
+
+
+def _sidecar_page(base: str, page: str, url: str) -> tuple[list[Any], str | None]:
+    """One page of reports and the relative URL of the next (None: the last page)."""
+    endpoint = base + page
     try:
         with urllib.request.urlopen(endpoint, timeout=10) as response:
             body = response.read(64 * MAX_REPORT_BYTES)
-        reports = json.loads(body)["failures"]
+        data = json.loads(body)
+        reports, following = data["failures"], data.get("next")
     except (OSError, urllib.error.URLError) as exc:
         raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise ExplainError(f"--sidecar {url}: {endpoint} did not answer with kvobs failure reports") from exc
-    for report in reports if isinstance(reports, list) else []:
-        if isinstance(report, dict):
-            for entry in entries:
-                if _report_matches(report, entry) and report not in entry.reports:
-                    entry.reports.append(report)
+    if following is not None and not (isinstance(following, str) and following.startswith(FAILURES_PATH + "?")):
+        raise ExplainError(f"--sidecar {url}: {endpoint} answered a next page that is not the API's: "
+                           f"{str(following)[:200]!r}")
+    return (reports if isinstance(reports, list) else []), following
 
 
 # -- saying it ---------------------------------------------------------------------------------

@@ -8,14 +8,20 @@ identical: ``f"Block {block_hash!r} not found in cache"``).
 
 from __future__ import annotations
 
+import bz2
+import codecs
 import contextlib
 import gzip
 import io
 import json
+import lzma
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +291,117 @@ def test_a_cut_gzip_log_keeps_what_was_read_and_says_so(logs: dict[str, Path], t
     assert run.returncode == 0, run.stderr
     assert "cause evicted_after_lookup" in run.stdout and "compressed input damaged" in run.stdout
     assert "Traceback" not in run.stderr
+
+
+# -- logs in the encodings and with the escapes people have (issue 21) -------------------------------
+
+
+def _coloured(text: bytes) -> bytes:
+    """Escapes a colouring viewer or ``tput`` leaves: SGR, ``tput sgr0``'s charset reset ``ESC(B``, an
+    OSC 8 hyperlink and an OSC window title, around and inside the assertion's words."""
+    out = []
+    for line in text.splitlines():
+        line = line.replace(b"AssertionError", b"\x1b[1;31mAssertionError\x1b(B\x1b[m")
+        line = line.replace(b"Chunk ", b"\x1b]8;;https://example.com/chunk\x1b\\Chunk\x1b]8;;\x1b\\ ")
+        line = line.replace(b" not found", b"\x1b(0\x1b(B not\x1b[0m found")
+        out.append(b"\x1b]0;vllm serve\x07" + line + b"\x1b(B\x1b[m")
+    return b"\n".join(out) + b"\n"
+
+
+def _utf16_powershell(text: bytes) -> bytes:
+    """What Windows PowerShell's ``>`` writes: UTF-16 LE with a BOM, CRLF."""
+    return codecs.BOM_UTF16_LE + text.decode().replace("\n", "\r\n").encode("utf-16-le")
+
+
+OTHER_FORMS: dict[str, Any] = {
+    "utf-16 le bom, crlf (PowerShell >)": _utf16_powershell,
+    "utf-16 be bom": lambda text: codecs.BOM_UTF16_BE + text.decode().encode("utf-16-be"),
+    "utf-16 le, no bom": lambda text: text.decode().encode("utf-16-le"),
+    "utf-32 bom": lambda text: text.decode().encode("utf-32"),
+    "utf-8 bom": lambda text: codecs.BOM_UTF8 + text,
+    "xz": lzma.compress,
+    "bz2": bz2.compress,
+    "xz of utf-16": lambda text: lzma.compress(_utf16_powershell(text)),
+    "escapes beyond CSI": _coloured,
+    "gzip of escapes": lambda text: gzip.compress(_coloured(text)),
+}
+
+
+@pytest.mark.parametrize("log", ["text", "json"])
+@pytest.mark.parametrize("form", OTHER_FORMS)
+def test_logs_in_other_encodings_compressions_and_escapes_read_as_the_text_log(
+        quoted: dict[str, Path], log: str, form: str, tmp_path: Path) -> None:
+    """Decoded by content (BOM, magic bytes, NUL pattern), escapes of every ECMA-48 form removed:
+    the same keys, causes, reports and removals as the plain log."""
+    directory = quoted[log].with_suffix("")
+    want = explained(quoted[log], directory)
+    assert want and want[0]["kvobs_cause"] == "evicted_after_lookup"
+    shipped = tmp_path / "shipped.log"
+    shipped.write_bytes(OTHER_FORMS[form](quoted[log].read_bytes()))
+    assert explained(shipped, directory) == want
+
+
+@pytest.mark.parametrize(("data", "named"), [
+    (b"\x28\xb5\x2f\xfd" + b"\0" * 64, "zstd"),
+    (b"\x04\x22\x4d\x18" + b"\0" * 64, "lz4"),
+    (b"PK\x03\x04" + b"\0" * 64, "zip"),
+])
+def test_a_log_kvobs_cannot_decode_is_said_so_and_why(tmp_path: Path, data: bytes, named: str) -> None:
+    log = tmp_path / "vllm.log.1"
+    log.write_bytes(data)
+    run = explain(str(log))
+    assert run.returncode == 2 and named in run.stderr and "no offload assertion" not in run.stdout, run
+    assert "Traceback" not in run.stderr
+
+
+# -- --sidecar follows the API's paging, bounded (issue 21) ----------------------------------------
+
+
+def test_sidecar_reports_on_a_later_page_are_found(logs: dict[str, Path], tmp_path: Path) -> None:
+    """1,001 reports: the logged failure's is the oldest, on the API's second page of 1,000."""
+    directory = tmp_path / "kvobs"
+    shutil.copytree(logs["dir"], directory)
+    [real] = sorted((directory / "failures").glob("*.json"))
+    report = json.loads(real.read_text())
+    for n in range(1000):  # newer reports of other keys
+        other = {**report, "vllm_message": f"Chunk b'other{n}' not found in cache", "missing": [],
+                 "time": report["time"] + 1 + n}
+        name = f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json"
+        (directory / "failures" / name).write_text(json.dumps(other))
+    sidecar = Sidecar(directory).start()
+    try:
+        run = explain(str(logs["bare"]), "--sidecar", sidecar.url, "--json")
+    finally:
+        sidecar.stop()
+    assert run.returncode == 0, run.stderr
+    [result] = json.loads(run.stdout)
+    assert result["assertions"][0]["report_causes"] == ["evicted_after_lookup"] and result["damage"] == []
+
+
+class _EndlessPages(BaseHTTPRequestHandler):
+    """A sidecar whose ``next`` never ends (a huge or misbehaving one)."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"failures": [], "next": "/api/v1/failures?limit=1000&before=000000000000001-0-1-0"})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+def test_sidecar_paging_is_bounded_and_says_where_it_stopped(logs: dict[str, Path]) -> None:
+    from kvobs.explain import MAX_SIDECAR_PAGES
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EndlessPages)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        run = explain(str(logs["bare"]), "--sidecar", f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 0, run.stderr
+    assert f"--sidecar: stopped after {MAX_SIDECAR_PAGES} pages" in run.stdout, run.stdout
