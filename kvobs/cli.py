@@ -9,10 +9,14 @@ import signal
 import sys
 from pathlib import Path
 
-SERVE_ENV = {"dir": "KVOBS_DIR", "host": "KVOBS_HOST", "port": "KVOBS_PORT"}
+SERVE_ENV = {"dir": "KVOBS_DIR", "host": "KVOBS_HOST", "port": "KVOBS_PORT", "log_format": "KVOBS_LOG_FORMAT",
+             "log_level": "KVOBS_LOG_LEVEL", "token_file": "KVOBS_TOKEN_FILE"}
 """The environment variables ``kvobs serve`` takes its defaults from (a flag overrides each)."""
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
+DEFAULT_LOG_FORMAT = "text"
+DEFAULT_LOG_LEVEL = "info"
+MAX_TOKEN_BYTES = 4096
 
 
 class UsageError(Exception):
@@ -55,9 +59,48 @@ def _serve_settings(args: argparse.Namespace) -> tuple[Path, str, int]:
     return directory, host, port
 
 
+def _setting(args: argparse.Namespace, name: str, default: str | None) -> str | None:
+    """A string setting: its flag, else its environment variable (when set and not blank), else ``default``."""
+    flag = getattr(args, name)
+    return str(flag) if flag is not None else os.environ.get(SERVE_ENV[name], "").strip() or default
+
+
+def _logging_settings(args: argparse.Namespace) -> tuple[str, str]:
+    """--log-format and --log-level (or their variables), checked like a flag's choices."""
+    from kvobs.sidecar.logs import FORMATS, LEVELS
+
+    log_format = str(_setting(args, "log_format", DEFAULT_LOG_FORMAT)).lower()
+    level = str(_setting(args, "log_level", DEFAULT_LOG_LEVEL)).lower()
+    if log_format not in FORMATS:
+        raise UsageError(f"{SERVE_ENV['log_format']} must be one of {', '.join(FORMATS)}, got {log_format!r}")
+    if level not in LEVELS:
+        raise UsageError(f"{SERVE_ENV['log_level']} must be one of {', '.join(LEVELS)}, got {level!r}")
+    return log_format, level
+
+
+def _read_token(args: argparse.Namespace) -> bytes | None:
+    """The bearer token for /api/v1/failures from --token-file (a mounted Secret), None without one.
+
+    Read once at start: a missing, empty or oversized file is a usage error, so that a mistyped
+    path never leaves the reports open while the operator believes them protected."""
+    path = _setting(args, "token_file", None)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as stream:
+            token = stream.read(MAX_TOKEN_BYTES + 1).strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    if not token or len(token) > MAX_TOKEN_BYTES or any(c <= 32 or c >= 127 for c in token):
+        raise UsageError(f"the token file {path} must hold one token of 1..{MAX_TOKEN_BYTES} printable characters")
+    return token
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         directory, host, port = _serve_settings(args)
+        log_format, level = _logging_settings(args)
+        token = _read_token(args)
     except UsageError as exc:
         print(f"kvobs serve: {exc}", file=sys.stderr)
         return 2
@@ -67,12 +110,19 @@ def _serve(args: argparse.Namespace) -> int:
               "directory the engines write, KVOBS_DIR on their side)", file=sys.stderr)
         return 2
 
+    from kvobs.sidecar.logs import configure
     from kvobs.sidecar.server import ListenError, serve
 
+    configure(log_format, level)
+    logger = logging.getLogger("kvobs.sidecar")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(f"kvobs serve: reading {directory}, serving http://{host}:{port}/metrics", flush=True)
+
+    def ready(url: str) -> None:  # called once the socket is bound: never "serving" a port it failed to get
+        logger.info("kvobs serve: reading %s, serving %s%s", directory, url,
+                    " (/api/v1/failures needs the bearer token)" if token else "")
+
     try:
-        serve(directory, host, port)
+        serve(directory, host, port, token=token, ready=ready)
     except KeyboardInterrupt:
         pass
     except ListenError as exc:
@@ -162,7 +212,8 @@ def parser() -> argparse.ArgumentParser:
         "serve", help="run the sidecar: Prometheus metrics and failure reports over HTTP",
         description="Run the sidecar: read the kvobs directory the engines write and serve /metrics, /healthz "
                     "and /api/v1/failures. Each flag defaults to its environment variable "
-                    "(KVOBS_DIR, KVOBS_HOST, KVOBS_PORT); a flag overrides it.",
+                    "(KVOBS_DIR, KVOBS_HOST, KVOBS_PORT, KVOBS_LOG_FORMAT, KVOBS_LOG_LEVEL, KVOBS_TOKEN_FILE); "
+                    "a flag overrides it.",
     )
     serve.add_argument("--dir", default=None,
                        help="the kvobs directory the engines write (default: $KVOBS_DIR; required when that is "
@@ -171,6 +222,13 @@ def parser() -> argparse.ArgumentParser:
                        help=f"address to bind (default: $KVOBS_HOST, else {DEFAULT_HOST})")
     serve.add_argument("--port", type=_port_arg, default=None,
                        help=f"port to listen on (default: $KVOBS_PORT, else {DEFAULT_PORT})")
+    serve.add_argument("--log-format", default=None, choices=("text", "json"),
+                       help=f"text, or one JSON object a line (default: $KVOBS_LOG_FORMAT, else {DEFAULT_LOG_FORMAT})")
+    serve.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                       help=f"least severe level logged (default: $KVOBS_LOG_LEVEL, else {DEFAULT_LOG_LEVEL})")
+    serve.add_argument("--token-file", default=None, metavar="PATH",
+                       help="file holding a bearer token that /api/v1/failures then requires (default: "
+                            "$KVOBS_TOKEN_FILE; none: the endpoint is open)")
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="show kvobs explaining failed loads on vLLM's real offload manager (CPU)")
     demo.add_argument("--dir", default=None, help="kvobs directory (default: a new temporary one)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -27,11 +28,22 @@ ROUND_BYTES = 8 * 2**20  # per journal file and round
 SLICE_BYTES = 2**20  # folded under the lock at once
 CHECKPOINT_EVERY_S = 5.0
 MAX_NAMED_FILES = 1_000  # files whose skip was logged (each is logged once)
+MAX_UNREADABLE = 1_000
+"""Paths kept in ``Ingest.unreadable`` at most (a directory of another uid's files stays bounded)."""
 
 
 def journal_stem(name: str) -> str:
     """``<engine>-<pid>[_<n>]`` of ``<stem>.<seq>.jsonl``."""
     return name[: -len(".jsonl")].rpartition(".")[0]
+
+
+def _check_listable(directory: Path) -> None:
+    """OSError if ``directory`` exists but cannot be listed (another uid's 0700 directory)."""
+    try:
+        with os.scandir(directory):
+            pass
+    except FileNotFoundError:
+        return
 
 
 class Ingest:
@@ -43,10 +55,17 @@ class Ingest:
         self.lock = threading.Lock()
         self.errors = 0
         self._named: set[str] = set()
+        self.unreadable: dict[str, str] = {}
+        """Path -> why the sidecar cannot read (or write) it now: /healthz lists them, a gauge counts them."""
         restored: SidecarState | None = None
         try:
             restored = load_checkpoint(self.checkpoint_path)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:  # another uid's checkpoint: unreadable (a uid mismatch), not damage
+            logger.error("kvobs sidecar: cannot read checkpoint %s (%s); starting afresh", self.checkpoint_path, exc)
+            restored = SidecarState()
+            restored.skipped["checkpoint", "unreadable"] += 1
+            self._unreadable(self.checkpoint_path, exc)
+        except ValueError as exc:
             logger.error("kvobs sidecar: ignoring checkpoint %s it cannot trust (%s); starting afresh",
                          self.checkpoint_path, exc)
             restored = SidecarState()
@@ -56,9 +75,16 @@ class Ingest:
         self._last_checkpoint = time.monotonic()
         self._stop = threading.Event()
 
+    def _unreadable(self, path: Path, detail: object) -> None:
+        """Remember that ``path`` cannot be read now (bounded), for /healthz and the unreadable-files gauge."""
+        if str(path) in self.unreadable or len(self.unreadable) < MAX_UNREADABLE:
+            self.unreadable[str(path)] = str(getattr(detail, "strerror", None) or detail)
+
     def _skip(self, source: str, reason: str, path: Path, detail: object) -> None:
         """Count a file or record that cannot be read (under the lock); name the file in the log once."""
         self.state.skipped[source, reason] += 1
+        if reason == "unreadable":
+            self._unreadable(path, detail)
         if path.name not in self._named and len(self._named) < MAX_NAMED_FILES:
             self._named.add(path.name)
             logger.warning("kvobs sidecar: skipping %s %s (%s): %s", source, path, reason, detail)
@@ -72,7 +98,10 @@ class Ingest:
         """
         journal_dir = self.dir / "journal"
         try:
+            _check_listable(journal_dir)  # glob() would hide an unreadable directory as an empty one
             files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+            with self.lock:
+                self.unreadable.pop(str(journal_dir), None)
         except OSError as exc:
             files = []
             with self.lock:
@@ -105,6 +134,8 @@ class Ingest:
                 if position.offset == offset and budget > SLICE_BYTES:  # a line longer than a slice
                     records = list(read_new_records(path, position, budget))
             except FileNotFoundError:
+                with self.lock:
+                    self.unreadable.pop(str(path), None)
                 return
             except OSError as exc:  # another uid's file, a symlink, a FIFO: skipped, the others go on
                 if not given_up:
@@ -112,6 +143,10 @@ class Ingest:
                         self.state.positions[path.name] = (-1, False)  # -1: unreadable, counted once
                         self._skip("journal", "unreadable", path, exc)
                 return
+            if given_up:
+                with self.lock:
+                    self.unreadable.pop(str(path), None)
+                given_up = False
             if position.offset == offset and position.skipping == skipping:
                 return
             budget -= position.offset - offset
@@ -127,7 +162,16 @@ class Ingest:
 
     def _read_reports(self) -> None:
         state = self.state
-        for path in report_files(self.dir / "failures"):
+        try:
+            _check_listable(self.dir / "failures")  # report_files() would hide it as an empty directory
+            self.unreadable.pop(str(self.dir / "failures"), None)
+        except OSError as exc:
+            self._unreadable(self.dir / "failures", exc)
+        paths = report_files(self.dir / "failures")
+        present = {str(path) for path in paths}
+        for name in [n for n in self.unreadable if "/failures/" in n and n not in present]:
+            del self.unreadable[name]  # an unreadable report that is gone (rotated out) is no longer a problem
+        for path in paths:
             if path.name in state.reports_seen:
                 continue
             try:
@@ -145,10 +189,22 @@ class Ingest:
             state.apply_report(report)
 
     def checkpoint(self) -> None:
+        """Save the state; a checkpoint it cannot write (another uid's file or directory) is reported as
+        unreadable, not raised: it is the environment's fault, and every round would count it again."""
         with self.lock:
             data = json.dumps(self.state.to_json(), allow_nan=False).encode()
-        write_durably(self.checkpoint_path, data)
         self._last_checkpoint = time.monotonic()
+        try:
+            write_durably(self.checkpoint_path, data)
+        except OSError as exc:
+            with self.lock:
+                if str(self.checkpoint_path) not in self.unreadable:
+                    logger.error("kvobs sidecar: cannot write checkpoint %s: %s", self.checkpoint_path, exc)
+                self._unreadable(self.checkpoint_path, f"cannot write: {exc.strerror or exc}")
+            return
+        with self.lock:
+            if self.unreadable.get(str(self.checkpoint_path), "").startswith("cannot write"):
+                del self.unreadable[str(self.checkpoint_path)]
 
     def run(self) -> None:
         """Poll until ``stop()``; a failing round is counted and logged, never fatal."""

@@ -95,6 +95,17 @@ class KvobsCollector(Collector):
             "1 while kvobs observes the engine's offload manager, 0 when it stepped aside (reason: why).",
             labels=[*ENGINE_LABELS, "reason"],
         )
+        newest_failure = GaugeMetricFamily(
+            "kvobs_last_load_failure_timestamp_seconds",
+            "Wall time of the newest failed load by cause (0: none); alerts read this, not when Prometheus "
+            "first saw the counter move.",
+            labels=[*ENGINE_LABELS, "cause"],
+        )
+        previous_failure = GaugeMetricFamily(
+            "kvobs_previous_load_failure_timestamp_seconds",
+            "Wall time of the failed load before the newest, by cause (0: none): a repeat is both recent.",
+            labels=[*ENGINE_LABELS, "cause"],
+        )
         last = GaugeMetricFamily(
             "kvobs_engine_last_record_timestamp_seconds",
             "Wall time of the newest record from each engine.",
@@ -114,6 +125,9 @@ class KvobsCollector(Collector):
                 for cause in CAUSES:
                     failures.add_metric([*identity, cause], totals.get("failures", {}).get(cause, 0),
                                         exemplar=_exemplar(engine.exemplars.get(cause)))
+                    newest_t, previous_t = engine.failure_times.get(cause, (0.0, 0.0))
+                    newest_failure.add_metric([*identity, cause], newest_t)
+                    previous_failure.add_metric([*identity, cause], previous_t)
                     for group in sorted(engine.groups or {"0"}):
                         missing.add_metric([*identity, cause, group], engine.missing.get((cause, group), 0))
                 for group in sorted(engine.groups or {"0"}):
@@ -134,6 +148,7 @@ class KvobsCollector(Collector):
             engines = len(state.engines)
             last_poll = ingest.last_poll
             ingest_errors = ingest.errors
+            unreadable = len(ingest.unreadable)
         yield from (
             evicted,
             batches,
@@ -147,7 +162,7 @@ class KvobsCollector(Collector):
             dropped,
             errors,
         )
-        yield from (build, observing, last)
+        yield from (build, observing, last, newest_failure, previous_failure)
         ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")
         ingested.add_metric([], records)
         yield ingested
@@ -166,6 +181,12 @@ class KvobsCollector(Collector):
         sidecar = GaugeMetricFamily("kvobs_sidecar_build_info", "The sidecar's own kvobs version.", labels=["version"])
         sidecar.add_metric([__version__], 1)
         yield sidecar
+        blind = GaugeMetricFamily(
+            "kvobs_sidecar_unreadable_files",
+            "Files and directories of the kvobs directory the sidecar cannot read or write now (/healthz names them).",
+        )
+        blind.add_metric([], unreadable)
+        yield blind
         seen = GaugeMetricFamily("kvobs_sidecar_engines", "Engines the sidecar has seen.")
         seen.add_metric([], engines)
         yield seen

@@ -3,7 +3,13 @@
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
 gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
 
-``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503.
+``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503; either way it lists
+what the sidecar cannot read (``cannot_read``: another uid's files read as an empty directory
+otherwise, and a blind sidecar must not look healthy to the person who asks).
+
+``GET /livez``: 200 whenever the HTTP server answers. Kubernetes's liveness probe reads this, not
+/healthz: restarting the sidecar for a slow ingest would not make it read faster, and while a
+container restarts its pod is not Ready, which takes vLLM out of its Service.
 
 ``GET /api/v1/failures``: failure reports, newest first, as ``{"failures": [...], "next": URL|null}``.
 Each report is the file the engine wrote (every field of the message), plus its ``id`` (the
@@ -17,6 +23,10 @@ all optional; ``engine``, ``model_name`` and ``cause`` may repeat (any of the va
 * ``cause``: one of ``kvobs.codes.CAUSES`` (anything else: 400 naming it);
 * ``since``: unix seconds (a float); reports at or after it;
 * ``before``: a report ``id``; reports older than it (the paging cursor).
+
+With a bearer token (``kvobs serve --token-file``), /api/v1/failures answers 401 to a request
+without ``Authorization: Bearer <token>``: the reports carry request ids. /metrics, /healthz and
+/livez stay open to the scraper and the kubelet.
 
 ``next`` is the relative URL of the next page (the same filters, ``before`` the last id
 served), or null when no more reports match. Follow it until it is null: a page can hold fewer
@@ -34,13 +44,16 @@ connection slot for as long as it likes), request lines and headers capped by
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import hmac
 import io
 import json
 import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,7 +61,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from kvobs.codes import BUCKETS
@@ -195,18 +208,51 @@ def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
     return failure_page(failures_dir, FailureQuery(limit=limit))[0]
 
 
+HEALTHZ_UNREADABLE = 20
+"""Paths /healthz names at most (``unreadable_files`` counts them all)."""
+
+
+def listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
+    """The socket family and address to bind ``host`` (an IPv4 or IPv6 address, ``[v6]``, or a name).
+
+    ``::`` binds IPv6 and, where the kernel allows (``IPV6_V6ONLY`` off, see ``server_bind``),
+    IPv4 too: one socket for a dual-stack pod. OSError if the name does not resolve."""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return family, address
+
+
+def http_url(host: str, port: int, path: str) -> str:
+    """``http://host:port/path`` with an IPv6 address in brackets."""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
 class SidecarServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # listen backlog (socketserver's 5 drops SYNs under a burst: 1 s client retries)
 
-    def __init__(self, address: tuple[str, int], ingest: Ingest) -> None:
+    def __init__(self, address: tuple[str, int], ingest: Ingest, token: bytes | None = None) -> None:
         self.ingest = ingest
+        self.token = token
         self.collector = KvobsCollector(ingest)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
+        # The standard process_* (CPU, memory, open files) and python_* series of every prometheus_client
+        # exporter, on this registry: the sidecar's own resource use next to its kvobs_sidecar_* series.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.started = time.time()
-        super().__init__(address, Handler)
+        self.address_family, bind_to = listen_address(*address)
+        super().__init__(bind_to, Handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:  # "::" also takes IPv4 (dual stack) where allowed
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -292,13 +338,20 @@ class Handler(BaseHTTPRequestHandler):
             ingest = self.server.ingest
             with ingest.lock:
                 engines = len(ingest.state.engines)
+                unreadable = sorted(ingest.unreadable.items())
             age = time.time() - ingest.last_poll if ingest.last_poll else None
             healthy = age is not None and age < 30
             self._json(
                 HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE,
-                {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age},
+                {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age,
+                 "unreadable_files": len(unreadable),
+                 "cannot_read": [{"path": path, "error": error} for path, error in unreadable[:HEALTHZ_UNREADABLE]]},
             )
+        elif url.path == "/livez":
+            self._json(HTTPStatus.OK, {"status": "ok"})
         elif url.path == "/api/v1/failures":
+            if not self._authorized():
+                return
             try:
                 query = FailureQuery.parse(url.query)
             except QueryError as exc:
@@ -308,9 +361,27 @@ class Handler(BaseHTTPRequestHandler):
             next_url = None if cursor is None else query.next_url(cursor)
             self._json(HTTPStatus.OK, {"failures": failures, "next": next_url})
         elif url.path == "/":
-            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/api/v1/failures"]})
+            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures"]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
+
+    def _authorized(self) -> bool:
+        """True without a token, or with ``Authorization: Bearer <token>``; else answers 401 itself."""
+        token = self.server.token
+        if token is None:
+            return True
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token):
+            return True
+        body = json.dumps({"error": "this endpoint needs Authorization: Bearer <token> (kvobs serve --token-file)"})
+        self.send_response(HTTPStatus.UNAUTHORIZED)
+        self.send_header("WWW-Authenticate", 'Bearer realm="kvobs"')
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body.encode())
+        return False
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -330,19 +401,24 @@ class ListenError(OSError):
     """The sidecar cannot bind its address."""
 
 
-def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464) -> None:
+def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: bytes | None = None,
+          ready: Callable[[str], None] | None = None) -> None:
     """Run ingest and HTTP until interrupted; checkpoint on the way out.
 
     ``FileNotFoundError`` if ``directory`` does not exist (a mistyped path must not look
-    healthy), :class:`ListenError` if the address cannot be bound.
+    healthy), :class:`ListenError` if the address cannot be bound. ``ready`` gets the
+    /metrics URL once the socket is bound, so nothing says "serving" before it is true.
+    ``token``: the bearer token /api/v1/failures requires (None: none).
     """
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory")
     ingest = Ingest(directory)
     try:
-        server = SidecarServer((host, port), ingest)
+        server = SidecarServer((host, port), ingest, token)
     except OSError as exc:
         raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    if ready is not None:
+        ready(http_url(host, server.server_address[1], "/metrics"))
     ingest.poll()
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
     worker.start()
