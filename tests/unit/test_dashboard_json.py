@@ -33,6 +33,11 @@ ENGINE_ID = "cluster, namespace, instance, model_name, engine"
 """What one engine's series of both paths share (instance: docker/prometheus/prometheus.yml, docker/k8s/)."""
 IDENTITY = ("cluster", "namespace", "job", "instance", "model_name", "engine")
 """The labels every aggregation of the rules keeps (cluster/namespace: a global view never merges clusters)."""
+SIDECAR_IDENTITY = ("cluster", "namespace", "job", "instance")
+"""What a match against the sidecar's own series keeps: they carry no model_name or engine."""
+SELF_WATCH = ("KvobsNotObserving", "KvobsSidecarReadsNoEngine", "KvobsSidecarCannotRead", "KvobsSidecarInternalErrors",
+              "KvobsVersionSkew")
+"""Issue 20: the alerts that say kvobs went blind, so that the others' silence means nothing happened."""
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -288,8 +293,9 @@ def test_alerts_follow_the_mixin_conventions() -> None:
     rules = alerts()
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names))
-    for required in ("KvobsLoadFailure", "KvobsNearMissesRising", "KvobsHistoryWindowTooShort",
-                     "KvobsSidecarDown", "KvobsSidecarAbsent", "KvobsRecordsDropped"):
+    for required in ("KvobsLoadFailure", "KvobsLoadFailuresRepeated", "KvobsNearMissesRising",
+                     "KvobsHistoryWindowTooShort", "KvobsSidecarDown", "KvobsSidecarAbsent", "KvobsRecordsDropped",
+                     *SELF_WATCH):
         assert required in names
     runbook = (ROOT / "docs" / "runbook.md").read_text()
     headings = set(re.findall(r"^## (\w+)$", runbook, re.M))
@@ -301,7 +307,8 @@ def test_alerts_follow_the_mixin_conventions() -> None:
         assert name in headings, f"docs/runbook.md has no section for {name}"
         assert "$labels.model " not in str(rule["annotations"]) and "$labels.model}" not in str(rule["annotations"])
     severity = {rule["alert"]: rule["labels"]["severity"] for rule in rules}
-    assert severity["KvobsLoadFailure"] == "critical"
+    # One failure warns, a repeat pages (issue 20): the engine restarts after one, a second means it keeps dying.
+    assert severity["KvobsLoadFailure"] == "warning" and severity["KvobsLoadFailuresRepeated"] == "critical"
     assert severity["KvobsNearMissesRising"] == severity["KvobsHistoryWindowTooShort"] == "warning"
     assert headings == set(names), "runbook sections without an alert"
 
@@ -337,13 +344,18 @@ def test_alerts_keep_clusters_apart_and_warnings_wait() -> None:
     for expr in expressions:
         for clause in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr):
             labels = {label.strip() for label in clause.split(",")}
-            assert set(IDENTITY) <= labels, (clause, expr)
+            # A match against the sidecar's own series (no engine labels) keeps the scrape's identity.
+            wanted = SIDECAR_IDENTITY if re.search(r"\bon\s*\(", expr) and "kvobs_sidecar_" in expr else IDENTITY
+            assert set(wanted) <= labels, (clause, expr)
             groupings += 1
+        if not re.search(r"\b(?:by|on)\s*\(", expr):  # no aggregation: a sidecar's own series, as scraped
+            assert {name for name, _ in selectors(expr)} <= {"up"} | {
+                n for n, _ in selectors(expr) if n.startswith("kvobs_sidecar_")}, expr
         assert not re.search(r"\b(?:without|ignoring)\s*\(", expr), expr
-    assert groupings >= len(expressions)
+    assert groupings >= len(expressions) - 6  # the six alerts on the sidecar's own series alone
     for rule in alerts():
-        if rule["labels"]["severity"] == "critical":
-            continue
+        if rule["labels"]["severity"] == "critical" or rule["alert"] == "KvobsLoadFailure":
+            continue  # one failed load is the event to warn about, at once
         assert "for" in rule, f"{rule['alert']}: a warning without for"
         windows = [duration_s(w) for w in re.findall(r"\[(\w+)\]", rule["expr"])]
         if windows:
@@ -422,3 +434,29 @@ def test_panels_only_the_sidecar_feeds_say_so(path: Path) -> None:
     (note,) = [p for p in panels(dashboard) if p["type"] == "text"]
     assert "vllm_metrics" in note["options"]["content"] and "sidecar" in note["options"]["content"]
     assert "vllm_metrics" in dashboard["description"]
+
+
+def test_load_failure_alerts_read_when_failures_happened() -> None:
+    """Issue 20: the load-failure alerts read the sidecar's failure-time gauges, never when this Prometheus
+    first saw a counter (increase, offset, unless): those re-raise old failures after a restart, on a
+    new HA replica or after a scrape gap (the promtool tests show each case)."""
+    by_name = {rule["alert"]: rule["expr"] for rule in alerts()}
+    assert "kvobs_last_load_failure_timestamp_seconds" in by_name["KvobsLoadFailure"]
+    assert "kvobs_previous_load_failure_timestamp_seconds" in by_name["KvobsLoadFailuresRepeated"]
+    for name in ("KvobsLoadFailure", "KvobsLoadFailuresRepeated"):
+        assert not re.search(r"\b(?:increase|rate|offset|unless|absent)\b", by_name[name]), by_name[name]
+    tests = (RULES / "tests" / "kvobs-alerts-test.yaml").read_text()
+    for case in ("restarted at 4h", "HA replicas", "scrape gap"):
+        assert case in tests, case
+
+
+def test_kvobs_watches_itself() -> None:
+    """Each way kvobs goes blind has an alert on the series that shows it."""
+    by_name = {rule["alert"]: rule["expr"] for rule in alerts()}
+    for name, metric in (("KvobsNotObserving", "kvobs_observing"),
+                         ("KvobsSidecarReadsNoEngine", "kvobs_sidecar_engines"),
+                         ("KvobsSidecarCannotRead", "kvobs_sidecar_unreadable_files"),
+                         ("KvobsSidecarInternalErrors", "kvobs_sidecar_internal_errors_total"),
+                         ("KvobsVersionSkew", "kvobs_sidecar_build_info")):
+        assert metric in by_name[name], name
+    assert "kvobs_build_info" in by_name["KvobsVersionSkew"]
