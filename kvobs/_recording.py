@@ -12,8 +12,13 @@ The rule (lookup promises), used alike by the near-miss counter and the diagnosi
 
 Here, on the hot path: promises per request, and the serial of each recently removed key's
 last removal (:class:`RecentRemovals`), so a load tells a near miss from a plain hit with a
-dictionary lookup per key. Which removal came first after a promise is asked of the eviction
-history by the observer, only for those near misses and at a failed load.
+dictionary lookup per key. That memory is short, so it answers only for promises it reaches
+back to (``RecentRemovals.exact_from``), where its answer is exactly the history's; a load's
+older promises are handed to the observer undecided, and the eviction history decides them,
+as it decides the cause (issue 21: the two disagreed once the short memory had forgotten).
+Which removal came first after a promise is always asked of the eviction history, only for
+near misses and at a failed load; where the history no longer holds it, the cause says
+``unknown`` and no near miss is counted: the evidence is gone for both alike.
 
 Everything else about a removal batch (history, counters, sinks) is queued and folded by the
 observer in bulk (``Recorder.take_run``): when the queue reaches ``drain_keys`` keys or
@@ -115,14 +120,18 @@ class RecentRemovals:
 
     Two generations of ``size`` keys each: a key is remembered for at least ``size`` and at
     most ``2 * size`` removed keys after its removal (the observer sizes this below the
-    history, so the history still holds every removal this remembers). A reset whose keys
-    could not be listed counts as a removal of every key.
+    history, so the history still holds every removal this remembers). ``exact_from`` is the
+    first serial from which every removal is remembered: for a promise at or after it, "removed
+    since the promise" is answered exactly; an older promise it cannot answer. A reset whose
+    keys could not be listed counts as a removal of every key.
     """
 
     def __init__(self, size: int) -> None:
         self._size = max(1, size)
         self._new: dict[bytes, int] = {}
         self._old: dict[bytes, int] = {}
+        self._new_first = 0  # serial of the first batch the current new generation holds
+        self.exact_from = 0
         self.unlisted_reset = -1  # serial of the last reset that removed keys nobody could list
 
     def add(self, keys: list[bytes], serial: int) -> None:
@@ -130,7 +139,9 @@ class RecentRemovals:
         for key in keys:
             new[key] = serial
         if len(new) >= self._size:
-            self._old = new
+            self._old = new  # the generation dropped held only removals before this one's first
+            self.exact_from = self._new_first
+            self._new_first = serial + 1
             self._new = {}
 
     def last(self, key: bytes) -> int:
@@ -191,8 +202,10 @@ class Promises:
 
     def redeemed(
         self, req_id: str, keys: Iterable[bytes], recent: RecentRemovals, now_serial: int
-    ) -> list[tuple[bytes, Verdict]]:
-        """A load by ``req_id`` asks for ``keys``: the (key, promise) pairs that are near misses.
+    ) -> list[tuple[bytes, Verdict, bool]]:
+        """A load by ``req_id`` asks for ``keys``: its near misses, ``(key, promise, True)``, and the
+        promises ``recent`` cannot judge (older than its memory), ``(key, promise, False)``, for the
+        observer to decide from the eviction history with :meth:`settle`.
 
         ``now_serial`` is the serial the next removal will get: a near miss is counted once,
         until the key is removed again.
@@ -201,22 +214,28 @@ class Promises:
         if req is None:
             return []
         verdicts = req.verdicts
-        broken: list[tuple[bytes, Verdict]] = []
+        exact_from = recent.exact_from
+        found: list[tuple[bytes, Verdict, bool]] = []
         for key in keys:
             code = verdicts.get(key)
             if code is None:
                 continue
+            since = code >> 1
+            if since < exact_from:  # older than the short memory: the history decides
+                found.append((key, req.verdict(code), False))
+                continue
             last = recent.last(key)
-            if last < code >> 1:
+            if last < since:
                 continue
-            counted = req.counted
-            if counted is None:
-                counted = req.counted = {}
-            elif counted.get(key, -1) > last:
-                continue
-            counted[key] = now_serial
-            broken.append((key, req.verdict(code)))
-        return broken
+            if _count_once(req, key, last, now_serial):
+                found.append((key, req.verdict(code), True))
+        return found
+
+    def settle(self, req_id: str, key: bytes, last: int, now_serial: int) -> bool:
+        """A promise :meth:`redeemed` left undecided, whose key's last removal (serial ``last``) came
+        after the promise: True if it is a near miss not counted yet (and now counted)."""
+        req = self._requests.get(req_id)
+        return req is not None and _count_once(req, key, last, now_serial)
 
     def finished(self, req_id: str) -> None:
         """The request is gone: forget its promises."""
@@ -237,6 +256,18 @@ class Promises:
     def clear(self) -> None:
         self._requests.clear()
         self._entries = 0
+
+
+def _count_once(req: _Request, key: bytes, last: int, now_serial: int) -> bool:
+    """The one count-once rule: a broken promise counts at the first load after its key's last
+    removal (serial ``last``), and again only after another removal."""
+    counted = req.counted
+    if counted is None:
+        counted = req.counted = {}
+    elif counted.get(key, -1) > last:
+        return False
+    counted[key] = now_serial
+    return True
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> Any:
@@ -427,10 +458,10 @@ class Recorder:
         inner: Callable[..., Any],
         *,
         on_failure: Callable[[AssertionError, Any, Any], None],
-        on_near: Callable[[str, list[tuple[bytes, Verdict]]], object],
+        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
     ) -> LoadTap:
-        """``prepare_load(keys, req_context)``: ``on_near(req_id, [(key, promise)])`` for near misses on
-        success; ``on_failure`` on vLLM's assertion.
+        """``prepare_load(keys, req_context)``: ``on_near(req_id, Promises.redeemed(...))`` for near misses
+        (and promises left to the history) on success; ``on_failure`` on vLLM's assertion.
 
         ``on_failure(exc, keys, req_context)`` runs before the assertion propagates (it appends
         the explanation to the same exception object); the assertion then leaves unchanged otherwise.
@@ -550,7 +581,7 @@ class LoadTap:
         rec: Recorder,
         inner: Callable[..., Any],
         on_failure: Callable[[AssertionError, Any, Any], None],
-        on_near: Callable[[str, list[tuple[bytes, Verdict]]], object],
+        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
     ) -> None:
         self.rec = rec
         self.inner = inner

@@ -194,8 +194,16 @@ class Observer:
         return [history.removal_at(reset) if reset >= v.serial and (r is None or r.serial > reset) else r
                 for r, v in zip(found, verdicts, strict=True)]
 
-    def near_missed(self, req_id: str, broken: Sequence[tuple[bytes, Verdict]]) -> list[NearMiss]:
-        """Count and publish the near misses of a load (the load tap's ``on_near``); them, with their breaches."""
+    def near_missed(self, req_id: str, redeemed: Sequence[tuple[bytes, Verdict, bool]]) -> list[NearMiss]:
+        """Count and publish the near misses of a load (the load tap's ``on_near``, given
+        ``Promises.redeemed``); them, with their breaches.
+
+        A promise the hot path's short memory could not judge is decided here from the eviction
+        history, by the same rule (the first removal after the promise) the cause is named by."""
+        broken = [(key, verdict) for key, verdict, decided in redeemed if decided]
+        undecided = [(key, verdict) for key, verdict, decided in redeemed if not decided]
+        if undecided:
+            broken += self._settled_in_history(req_id, undecided)
         if not broken:
             return []
         removals = self.breaking_removals([key for key, _ in broken], [verdict for _, verdict in broken])
@@ -209,6 +217,25 @@ class Observer:
             self.near_misses[reason] += len(misses)
             self._each_sink(lambda s, m=misses, r=reason: s.on_near_miss(m, r))  # type: ignore[misc]
         return near
+
+    def _settled_in_history(
+        self, req_id: str, undecided: Sequence[tuple[bytes, Verdict]]
+    ) -> list[tuple[bytes, Verdict]]:
+        """The promises among ``undecided`` that a removal broke, as the history holds it (none where
+        it no longer does: then the cause is ``unknown`` too), each counted once."""
+        keys = [key for key, _ in undecided]
+        first = self.breaking_removals(keys, [verdict for _, verdict in undecided])
+        last = self.history.last_removals(keys)
+        reset = self.recorder.recent.unlisted_reset
+        now = self.recorder.next_serial
+        out = []
+        for (key, verdict), breach, latest in zip(undecided, first, last, strict=True):
+            if breach is None:
+                continue
+            last_serial = max(breach.serial, reset, -1 if latest is None else latest.serial)
+            if self.promises.settle(req_id, key, last_serial, now):
+                out.append((key, verdict))
+        return out
 
     # -- diagnosis -------------------------------------------------------
 

@@ -205,3 +205,40 @@ def test_kvobs_internal_fault_never_changes_the_assertion(managers: list, monkey
         m.prepare_load([key(9)], a)
     assert str(info.value) == f"Chunk {key(9)!r} not found in cache"
     assert +m.observer.internal_errors == {"diagnosis": 1}
+
+
+@pytest.mark.parametrize("evictions", [100, 300, 700, 1000, 1500])
+def test_the_near_miss_and_the_cause_agree_however_many_evictions_follow(managers: list, evictions: int) -> None:
+    """One rule over one evidence (issue 21): the failed load's cause and its near miss come from the
+    same first removal after the lookup, whether the hot path still remembers it or only the history
+    does; once the history has lost it too (1,500), both say so alike: cause unknown, no near miss."""
+    m = observed(managers, cpu_extra(4), history_size=1024)
+    a = ctx(m, "req-a", {key(1): 16})
+    churn = ctx(m, "churn")
+    store(m, [key(1)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    for i in range(evictions + 3):  # one key a store: each store past the 4th evicts one chunk
+        store(m, [key(1000 + i)], churn)
+    match = failed_load(m, [key(1)], a)
+    if evictions <= 1000:
+        assert match["cause"] == "evicted_after_lookup" and +m.observer.failures == {"evicted_after_lookup": 1}
+        assert +m.observer.near_misses == {"capacity": 1}
+    else:
+        assert match["cause"] == "unknown" and "older than the history" in match["evidence"]
+        assert not +m.observer.near_misses
+
+
+def test_a_near_miss_long_after_the_lookup_is_counted_when_the_load_succeeds(managers: list) -> None:
+    """700 evictions between the lookup and a load that succeeds (the chunk was stored again): one near
+    miss, counted once, whatever the hot path's short memory of removals has forgotten."""
+    m = observed(managers, cpu_extra(4), history_size=1024)
+    a, churn, c = ctx(m, "req-a"), ctx(m, "churn"), ctx(m, "req-c")
+    store(m, [key(1)], a)
+    assert m.lookup(key(1), a) is LookupResult.HIT
+    for i in range(703):
+        store(m, [key(1000 + i)], churn)
+    store(m, [key(1)], c)  # stored again before req-a's load
+    m.prepare_load([key(1)], a)
+    m.complete_load([key(1)], a)
+    m.prepare_load([key(1)], a)  # the same removal is not counted twice
+    assert +m.observer.near_misses == {"capacity": 1} and not +m.observer.failures

@@ -22,7 +22,7 @@ ROW = (3 << 1, 1.0)  # (serial << 1 | pending, time)
 
 
 def _broken(p: Promises, recent: RecentRemovals, req: str, keys: list[bytes], now: int) -> list[bytes]:
-    return [key for key, _ in p.redeemed(req, keys, recent, now)]
+    return [key for key, _, decided in p.redeemed(req, keys, recent, now) if decided]
 
 
 def test_a_removed_promise_is_a_near_miss_once_its_load_asks_for_it() -> None:
@@ -168,3 +168,20 @@ def test_the_recorder_and_the_observer_follow_the_rule(ops: list[tuple[Any, ...]
         assert got == rule.near_misses(op[1], op[2]), op
     assert len(promises) == sum(rule.promise(r, k) is not None for r in REQS for k in KEYS)
     assert sum(observer.near_misses.values()) == sum(1 for e in rule.log if e[0] == "counted")
+
+
+def test_promises_older_than_the_short_memory_are_left_to_the_history() -> None:
+    """RecentRemovals answers exactly only back to ``exact_from``; an older promise is handed on
+    undecided (the observer asks the history), never taken for "not removed"."""
+    p, recent = Promises(100), RecentRemovals(2)
+    p.reported("a", b"k", 0 << 1, 0.0)  # promised before any removal
+    recent.add([b"k"], 0)
+    recent.add([b"x"], 1)  # generation full: rotates; k still remembered
+    assert recent.exact_from == 0
+    recent.add([b"y", b"z"], 2)  # rotates again: k's removal (serial 0) is forgotten
+    assert recent.exact_from == 2 and recent.last(b"k") == -1
+    assert p.redeemed("a", [b"k"], recent, 3) == [(b"k", p.verdict("a", b"k"), False)]
+    assert p.settle("a", b"k", 0, 3) and not p.settle("a", b"k", 0, 3)  # counted once
+    p.reported("b", b"y", 2 << 1, 0.0)  # a promise the memory reaches: decided here
+    recent.add([b"y"], 3)
+    assert p.redeemed("b", [b"y"], recent, 4) == [(b"y", p.verdict("b", b"y"), True)]

@@ -136,8 +136,8 @@ def test_lookups_make_promises_and_a_removal_in_a_store_breaks_them() -> None:
     assert list(run.reqs) == ["b"] and unpack_flags(run.flags[0]) == (0, STORE)
     h.result = "spec"
     assert h.load([KEYS[0], KEYS[1]], Ctx("a")) == "spec"
-    ((req_id, [(key, verdict)]),) = h.near  # the observer asks the history which removal broke it
-    assert (req_id, key, verdict.pending) == ("a", KEYS[0], False)
+    ((req_id, [(key, verdict, decided)]),) = h.near  # the observer asks the history which removal broke it
+    assert (req_id, key, verdict.pending, decided) == ("a", KEYS[0], False, True)
 
 
 def test_removals_off_the_tapped_thread_get_the_off_thread_path() -> None:
