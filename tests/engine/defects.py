@@ -1,0 +1,60 @@
+"""Defects injected into a real engine's offload manager (test code only; loaded by vLLM as an inner spec).
+
+``LookupEvictsSpec`` is kvobs's CPU copy spec (vLLM's ``CPUOffloadingSpec``, kvobs/vllm/cpu_worker.py)
+whose manager, once armed, does what a tiering promotion does inside ``lookup()`` in vLLM #50014: in
+the lookup after the one that reported a chunk as a HIT, it stores new chunks, and the capacity
+evictions of those stores remove the chunk the request was just promised. The connector then asks
+``prepare_load()`` for it and vLLM's own assertion kills EngineCore. Armed by creating the file named by
+``KVOBS_TEST_DEFECT_TRIGGER`` (so the engine serves normally until the test wants it to die);
+fires once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
+
+from kvobs.vllm.cpu_worker import CPUCopyOffloadingSpec
+
+TRIGGER_ENV = "KVOBS_TEST_DEFECT_TRIGGER"
+FIRED_SUFFIX = ".fired"
+
+
+def _arm_eviction_inside_lookup(manager: OffloadingManager, trigger: Path) -> None:
+    lookup = manager.lookup
+    serial = [0]
+    reported: list[bytes] = []  # the armed request's first HIT
+
+    def evict_until_gone(key: bytes, req_context: Any) -> None:
+        group = key[-4:]
+        for _ in range(4096):  # bounded: stores of new chunks until the reported one is evicted
+            serial[0] += 1
+            batch = [serial[0].to_bytes(len(key) - 4, "big") + group]
+            if manager.prepare_store(batch, req_context) is not None:
+                manager.complete_store(batch, req_context)
+            if lookup(key, req_context) is not LookupResult.HIT:
+                return
+
+    def lookup_that_evicts(key: bytes, req_context: Any) -> LookupResult:
+        if reported:  # the lookup after the HIT: a "promotion" evicts the chunk the last one reported
+            evict_until_gone(reported.pop(), req_context)
+        result = lookup(key, req_context)
+        if result is LookupResult.HIT and trigger.exists():
+            trigger.rename(trigger.with_name(trigger.name + FIRED_SUFFIX))  # once
+            reported.append(key)
+        return result
+
+    manager.lookup = lookup_that_evicts  # type: ignore[method-assign]
+
+
+class LookupEvictsSpec(CPUCopyOffloadingSpec):
+    def get_manager(self) -> OffloadingManager:
+        manager = super().get_manager()
+        trigger = os.environ.get(TRIGGER_ENV)
+        if trigger and not getattr(manager, "_kvobs_test_defect", False):
+            _arm_eviction_inside_lookup(manager, Path(trigger))
+            manager._kvobs_test_defect = True  # type: ignore[attr-defined]
+        return manager
