@@ -30,7 +30,11 @@ ENGINES = "kvobs_build_info|vllm[:_]kv_offload_kvobs_evicted_chunks_total"
 BOTH_PATHS = {"evicted_chunks_total", "load_failures_total", "hits_evicted_before_load_total"}
 """kvobs's counters on either metrics path: the sidecar's kvobs_<name>, vLLM's vllm:kv_offload_kvobs_<name>."""
 ENGINE_ID = "cluster, namespace, instance, model_name, engine"
-"""What one engine's series of both paths share (instance: docker/prometheus/prometheus.yml, docker/k8s/)."""
+"""How a two-path read groups each path's series (instance kept: the panels show it)."""
+DEDUP_ON = "cluster, namespace, model_name, engine"
+"""What one engine's series of both paths share whatever the scrape set-up: not instance, which differs
+between the sidecar's target and vLLM's unless relabelled (issue 20). vLLM's read gives way, ``unless on``
+these, to the sidecar's kvobs_build_info of the engine."""
 IDENTITY = ("cluster", "namespace", "job", "instance", "model_name", "engine")
 """The labels every aggregation of the rules keeps (cluster/namespace: a global view never merges clusters)."""
 SIDECAR_IDENTITY = ("cluster", "namespace", "job", "instance")
@@ -186,7 +190,9 @@ def test_variables_datasource_cluster_job_model_name_instance_engine(path: Path)
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_rate_uses_rate_interval_and_every_quantile_sums_by_le(path: Path) -> None:
-    """Windows are $__rate_interval; an instant query (a stat's one number) may take the range, $__range."""
+    """Windows are $__rate_interval; an instant query (a stat's one number) may take the range, $__range.
+    A count is the value minus the value one step earlier (``offset $__interval``; ``$__range`` in an
+    instant query): a window equal to the step, so each event falls in exactly one step."""
     dashboard = load(path)
     all_exprs = list(exprs(dashboard))
     assert len(all_exprs) > 30
@@ -197,6 +203,9 @@ def test_every_rate_uses_rate_interval_and_every_quantile_sums_by_le(path: Path)
         windows = ("$__rate_interval", "$__range") if raw in instant else ("$__rate_interval",)
         for window in re.findall(r"\[([^\]]*)\]", expr):
             assert window in windows, expr
+        for offset in re.findall(r"\boffset (\S+?)[,)]", expr):
+            assert offset == ("$__range" if raw in instant else "$__interval"), expr
+        assert "increase(" not in expr, expr
         for func in ("rate", "increase", "irate", "delta", "deriv"):
             for args in call_args(expr, func):
                 assert args[0].endswith(tuple(f"[{w}]" for w in windows)), expr
@@ -394,9 +403,12 @@ def test_the_counters_of_both_paths_are_read_either_or_never_both(path: Path) ->
     of one of them is ``sum by (<engine>, <label>) (f(sidecar's)) or sum by (<engine>, <label>) (f(vLLM's))``:
     the same grouping on both sides, so ``or`` keeps the sidecar's engine where both are scraped."""
     dashboard = load(path)
-    pair = re.compile(
-        r"sum by \((?P<by>[^)]*)\) \((?P<f>rate|increase)\(kvobs_(?P<m>\w+)\{(?P<s>[^}]*)\}\[(?P<w>[^\]]+)\]\)\) or "
-        r"sum by \((?P=by)\) \((?P=f)\(\{__name__=~\"vllm\[:_\]kv_offload_kvobs_(?P=m)\", (?P<v>[^}]*)\}\[(?P=w)\]\)\)")
+    window = r"(?:\[(?P<w>[^\]]+)\]\)| - (?P=read) offset (?P<o>\$__\w+), 0\))"
+    sidecar = r"(?P<f>rate|clamp_min)\((?P<read>kvobs_(?P<m>\w+)\{(?P<s>[^}]*)\})" + window
+    vllm = (r"(?P=f)\((?P<vread>\{__name__=~\"vllm\[:_\]kv_offload_kvobs_(?P=m)\", (?P<v>[^}]*)\})"
+            r"(?:\[(?P=w)\]\)| - (?P=vread) offset (?P=o), 0\))")
+    pair = re.compile(rf"sum by \((?P<by>[^)]*)\) \({sidecar}\) or \(sum by \((?P=by)\) \({vllm}\) "
+                      rf"unless on \((?P<on>[^)]*)\) kvobs_build_info\{{(?P<u>[^}}]*)\}}\)")
     dual_panels = set()
     for where, expr in [*((p["title"], t["expr"]) for p, t in targets(dashboard)),
                         *(("annotation", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a)]:
@@ -404,11 +416,14 @@ def test_the_counters_of_both_paths_are_read_either_or_never_both(path: Path) ->
         if not reads:
             continue
         pairs = list(pair.finditer(expr))
-        assert len(pairs) * 2 == len(reads), f"{where}: a counter read from one path only: {expr}"
+        # Each pair reads the counter once per path (rate) or twice (now and one step earlier).
+        assert sum(2 if m["w"] else 4 for m in pairs) == len(reads), f"{where}: one path only: {expr}"
         for match in pairs:
             assert match["m"] in BOTH_PATHS, expr
             label = "reason" if match["m"] != "load_failures_total" else "cause"
             assert match["by"] == f"{ENGINE_ID}, {label}", expr
+            assert match["on"] == DEDUP_ON, expr  # never instance: it differs between the two scrapes
+            assert match["u"] == match["s"] == ", ".join(ENGINE_MATCHERS), expr
             assert "job=" not in match["v"], expr  # vLLM's series have vLLM's job
             if where != "annotation":
                 dual_panels.add(where)
@@ -423,7 +438,9 @@ def test_panels_only_the_sidecar_feeds_say_so(path: Path) -> None:
     dashboard = load(path)
     sidecar_only = 0
     for panel in panels(dashboard):
-        names = {name for t in panel.get("targets", []) for name, _ in selectors(t["expr"])}
+        # kvobs_build_info after "unless on" only tells vLLM's read to give way to the sidecar's.
+        names = {name for t in panel.get("targets", [])
+                 for name, _ in selectors(re.sub(r"unless on \([^)]*\) kvobs_build_info\{[^}]*\}", "", t["expr"]))}
         only = {n for n in names if not n.startswith("vllm:")} - {f"kvobs_{c}" for c in BOTH_PATHS}
         if only:
             sidecar_only += 1
