@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvobs.children import Stopped, ends_with_signals, start_child, stop_child
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
@@ -100,7 +102,8 @@ def _port_in_use(port: int) -> bool:
 
 
 def _start_sidecar(directory: Path, port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    """``kvobs serve`` as a child that ends with the demo, whatever ends the demo (``kvobs.children``)."""
+    return start_child(
         [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
@@ -121,6 +124,12 @@ def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, timeout: float = 
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """The demo; SIGTERM and SIGHUP end it as Ctrl-C does, its sidecar with it."""
+    with ends_with_signals():
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     # Port first, vLLM after: importing vLLM (and torch) takes 10-20 s, and a taken port must not
     # wait for that. Else our sidecar dies on the bound port while the other one answers /healthz,
     # and the summary is checked against a sidecar that never reads this demo's directory.
@@ -160,6 +169,8 @@ def run_demo(args: argparse.Namespace) -> int:
             console.line(f"\nThe sidecar keeps serving {url}/metrics; point Prometheus at it. Ctrl-C to stop.")
             sidecar.wait()
         return 0
+    except Stopped as stopped:
+        return stopped.exit_status
     except KeyboardInterrupt:
         return 130
     except RuntimeError as exc:
@@ -167,8 +178,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"kvobs demo: {exc}", file=sys.stderr)
         return 1
     finally:
-        sidecar.terminate()
-        sidecar.wait(timeout=10)
+        stop_child(sidecar)
 
 
 def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console) -> EngineRun:

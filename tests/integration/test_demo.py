@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,62 @@ def test_demo_on_a_directory_with_an_earlier_run_says_the_sidecar_counts_both(tm
     assert again.returncode == 0, again.stderr[-2000:]
     assert "the sidecar counts this run and the earlier ones in this directory" in again.stdout
     assert "DISAGREES" not in again.stdout
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (every thread's), from /proc."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: signal.Signals) -> None:
+    """Issue 21: a supervisor's SIGTERM, a closed terminal's SIGHUP, even SIGKILL (which no handler sees:
+    the kernel's parent-death signal does it) end the demo's ``kvobs serve`` too, and free its port."""
+    port = free_port()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvobs.cli", "demo", "--requests", "60", "--dir", str(tmp_path / "kvobs"),
+         "--port", str(port), "--keep-serving"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    sidecars: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not sidecars:  # its sidecar starts before vLLM is imported
+            sidecars = _children(demo.pid)
+            time.sleep(0.05)
+        [sidecar] = sidecars
+        while time.monotonic() < deadline and http_get_ok(f"http://127.0.0.1:{port}/healthz") is False:
+            time.sleep(0.1)
+        demo.send_signal(sig)
+        status = demo.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _alive(sidecar) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(sidecar), f"kvobs serve (pid {sidecar}) outlived the demo ended by {sig.name}"
+        assert status == (-sig if sig == signal.SIGKILL else 128 + sig), demo.stderr.read() if demo.stderr else ""
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid in sidecars:  # a failing run must not leak it into the rest of the suite
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def http_get_ok(url: str) -> bool:
+    try:
+        return http_get(url)[0] == 200
+    except OSError:
+        return False
