@@ -17,7 +17,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_vllm_metrics.py \
   tests/integration/test_labels.py::test_the_plugin_takes_vllms_labels_through_the_real_connector
 
-.PHONY: venv release-venvs prometheus tools test test-releases lint typecheck demo bench clean
+.PHONY: venv release-venvs prometheus tools test test-releases lint typecheck demo bench clean image
 
 venv: $(STAMP)
 
@@ -104,3 +104,15 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) .pytest_cache .mypy_cache .ruff_cache build
+
+# The two images (docker/Dockerfile: the sidecar; docker/vllm.Dockerfile: vLLM's image plus the plugin), both
+# tagged with kvobs's version, read from kvobs/__init__.py, so the writer and the reader of the journal are one
+# version and no tag moves (no :latest). REGISTRY names where they go: make image REGISTRY=registry.example.com/you,
+# then docker push both tags. Needs a Docker engine; `make -n image` prints the commands without one.
+KVOBS_VERSION := $(shell sed -n 's/^__version__ = "\([^"]*\)"$$/\1/p' kvobs/__init__.py)
+REGISTRY ?= kvobs
+image:
+	test -n "$(KVOBS_VERSION)"
+	docker build -f docker/Dockerfile -t $(REGISTRY)/sidecar:$(KVOBS_VERSION) .
+	docker build -f docker/vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v$(VLLM_VERSION) \
+	  -t $(REGISTRY)/vllm-openai:$(KVOBS_VERSION) .

@@ -1,6 +1,7 @@
 # vLLM's OpenAI server image with the kvobs plugin installed (ObservedOffloadingSpec,
 # ObservedOffloadingConnector). Used by docker/compose.yaml; build from the repository root:
-#   docker build -f docker/vllm.Dockerfile -t kvobs/vllm-openai:v0.33.0 .
+#   make image   (both images, tagged with the kvobs version), or
+#   docker build -f docker/vllm.Dockerfile -t kvobs/vllm-openai:<kvobs version> .
 # The image's ENTRYPOINT stays vLLM's own (`vllm serve`); pass the model and flags as the command.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 

@@ -295,7 +295,7 @@ def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
     check_transfer_config(option_after(vllm["args"], "--kv-transfer-config"))
     ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
     assert ports["kvobs-metrics"] == int(IMAGE_PORT)
-    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/livez"  # never /healthz: see vllm-kvobs.yaml
     # No model annotation any more: the labels come from the sidecar.
     assert not deployment["spec"]["template"]["metadata"].get("annotations")
 
@@ -303,7 +303,7 @@ def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     jobs = {e["port"]: next(r["replacement"] for r in e["relabelings"] if r["targetLabel"] == "job")
             for e in monitor["spec"]["podMetricsEndpoints"]}
-    assert jobs == {"kvobs-metrics": "kvobs", "http": "vllm"}
+    assert jobs == {"kvobs-metrics": "kvobs"}  # the sidecar only: scraping vLLM is the operator's (issue 20)
 
     # Debian's promtool is built without Kubernetes discovery, so this file is checked by structure.
     plain = yaml.safe_load((DOCKER / "k8s" / "prometheus-scrape.yaml").read_text())

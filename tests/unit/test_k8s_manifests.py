@@ -73,7 +73,7 @@ def quantity_bytes(text: str) -> int:
 
 def test_the_objects_are_there() -> None:
     kinds = sorted(doc["kind"] for _, doc in documents())
-    assert kinds == ["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service"]
 
 
 @pytest.mark.parametrize("doc", [d for _, d in documents() if d["apiVersion"] != MONITORING],
@@ -139,7 +139,8 @@ def test_pod_monitor_has_the_operators_shape_and_scrapes_the_pods_ports() -> Non
         assert not {"model", "model_name", "engine"} & set(targets)
         assert targets["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_name"]
         jobs[targets["job"]["replacement"]] = endpoint["port"]
-    assert jobs == {"kvobs": "kvobs-metrics", "vllm": "http"}
+    # The sidecar only (issue 20): scraping vLLM is the operator's; a second scrape would duplicate vllm:*.
+    assert jobs == {"kvobs": "kvobs-metrics"}
 
 
 @pytest.mark.parametrize("kind", ["PodMonitor", "PrometheusRule"])
@@ -246,4 +247,50 @@ def test_vllm_has_health_probes_and_resource_requests() -> None:
     assert {"cpu", "memory", "nvidia.com/gpu"} <= set(requests)
     assert quantity_bytes(requests["memory"]) >= 2**30
     sidecar = container("kvobs")
-    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz" and sidecar["resources"]["requests"]
+    assert sidecar["resources"]["requests"]
+
+
+def test_the_sidecar_never_takes_vllm_out_of_its_service() -> None:
+    """Issue 20: a pod is Ready only when every container is, so the sidecar has no readiness probe; its
+    liveness and startup probes read /livez (the HTTP server answers), never /healthz (503 on a slow
+    ingest), and the manifest says why."""
+    sidecar = container("kvobs")
+    assert "readinessProbe" not in sidecar
+    for probe in ("livenessProbe", "startupProbe"):
+        assert sidecar[probe]["httpGet"] == {"path": "/livez", "port": "kvobs-metrics"}, probe
+    text = (K8S / "vllm-kvobs.yaml").read_text()
+    assert "No readiness probe, on purpose" in text and "out of its Service" in text
+
+
+def test_the_network_policy_lets_vllm_serve_and_only_prometheus_reach_the_sidecar() -> None:
+    policy = the("NetworkPolicy")
+    pod_labels = the("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {port["port"]: rule.get("from") for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+    assert set(by_port) == {"http", "kvobs-metrics"}  # container port names of the pod
+    assert by_port["http"] is None  # vLLM's API from anywhere: the policy must not cut the engine's traffic
+    (source,) = by_port["kvobs-metrics"]
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "namespaceSelector" in source
+
+
+def test_images_carry_the_package_version_and_make_image_builds_both() -> None:
+    """Issue 20: no :latest; the plugin's and the sidecar's image carry one tag, the kvobs version, which is
+    what `make image` builds (printed with make -n: no Docker engine here)."""
+    import subprocess
+
+    from kvobs import __version__
+
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
+    images = [c["image"] for c in pod_spec()["containers"]] + [compose[s]["image"] for s in ("vllm", "kvobs")]
+    assert sorted(images) == sorted(["kvobs/vllm-openai:" + __version__, "kvobs/sidecar:" + __version__] * 2), images
+    made = subprocess.run(["make", "-n", "image", "REGISTRY=registry.example.com/you"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    builds = [line for line in made.stdout.replace("\\\n", " ").splitlines() if line.startswith("docker build")]
+    assert len(builds) == 2, made.stdout
+    assert {b.split("-f ")[1].split()[0] for b in builds} == {"docker/Dockerfile", "docker/vllm.Dockerfile"}
+    tags = {b.split("-t ")[1].split()[0] for b in builds}
+    registry = "registry.example.com/you"
+    assert tags == {f"{registry}/sidecar:{__version__}", f"{registry}/vllm-openai:{__version__}"}
