@@ -329,8 +329,50 @@ def encode_note(writer: Writer, kind: str, time: float, **fields: Any) -> str:
     return _dumps({**_head(kind, writer), "t": time, **fields})
 
 
+LINE_BUDGET = MAX_LINE_BYTES // 2
+"""What a ``removals`` line is kept under: far below the MAX_LINE_BYTES its reader skips."""
+_BATCH_CHARS = 40  # a batch's time, flags, count and listed count in base64, and its request id's quotes
+_KEY_CHARS = 24  # a listed key's reference and residency in base64
+
+
 def encode_removals(writer: Writer, run: RemovalRun, wall_offset: float) -> list[str]:
-    """One ``removals`` line for a drained run (plus ``ages`` lines for batches over KEYS_LISTED keys).
+    """``removals`` lines for a drained run (plus ``ages`` lines for batches over KEYS_LISTED keys).
+
+    As many lines as it takes to keep each within what the reader takes (``LINE_BUDGET``,
+    ``MAX_BATCHES_PER_LINE``): a drained run can hold thousands of batches, each with a request
+    id of up to ``MAX_REQ_ID`` characters, and one line over the reader's limit would lose them all.
+    """
+    return [line for part in _line_runs(run) for line in _encode_run(writer, part, wall_offset)]
+
+
+def _line_runs(run: RemovalRun) -> Iterator[RemovalRun]:
+    """``run`` cut into consecutive runs whose lines fit (the run itself when it fits, as most do)."""
+    n = len(run.counts)
+    sizes = [_BATCH_CHARS + min(count, KEYS_LISTED) * _KEY_CHARS + min(len(req or ""), MAX_REQ_ID)
+             for count, req in zip(run.counts, run.reqs, strict=True)]
+    if n <= MAX_BATCHES_PER_LINE and sum(sizes) <= LINE_BUDGET:
+        yield run
+        return
+    start = key_start = key_at = size = 0
+    for i in range(n):
+        if i > start and (size + sizes[i] > LINE_BUDGET or i - start >= MAX_BATCHES_PER_LINE):
+            yield _sub_run(run, start, i, key_start, key_at)
+            start, key_start, size = i, key_at, 0
+        size += sizes[i]
+        key_at += run.counts[i]
+    yield _sub_run(run, start, n, key_start, key_at)
+
+
+def _sub_run(run: RemovalRun, start: int, end: int, key_start: int, key_end: int) -> RemovalRun:
+    return type(run)(
+        run.first_serial + start, run.hashes[key_start:key_end], run.counts[start:end], run.times[start:end],
+        run.flags[start:end], run.reqs[start:end], run.keys[key_start:key_end],
+        None if run.residency is None else run.residency[key_start:key_end],
+    )
+
+
+def _encode_run(writer: Writer, run: RemovalRun, wall_offset: float) -> list[str]:
+    """One ``removals`` line for a run that fits one (plus its ``ages`` lines).
 
     Runs on the journal's writer thread. numpy is imported here, not at module level: only
     the engine encodes, and the sidecar must not load numpy.

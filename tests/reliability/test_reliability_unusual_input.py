@@ -23,6 +23,7 @@ from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
+from kvobs.wire import MAX_LINE_BYTES
 
 
 def _key(i: int) -> bytes:
@@ -127,6 +128,26 @@ def test_one_long_request_id_costs_no_other_requests_evidence(tmp_path: Path, si
     assert _series(values, "kvobs_chunk_residency_seconds_count", reason="capacity") == [12.0]
     [report] = json.loads(http_get(f"{url}/api/v1/failures")[2])["failures"]
     assert report["req_id"].startswith("yyy") and len(report["req_id"]) <= 4096
+
+
+def test_a_drained_run_is_never_one_line_longer_than_the_reader_takes(tmp_path: Path, sidecar: Any) -> None:
+    """The same class at the line level: 2,048 removals (one drain) by requests whose ids are 4,096
+    characters (the request-id limit) made one line over the reader's 8 MiB: every batch lost.
+    The writer splits a run into lines the reader takes."""
+    directory = tmp_path / "kvobs"
+    observer, sink = _engine(directory, engine="0")
+    for i in range(2048):
+        observer.recorder.removal([_key(i)], 0, [0.5], 1.0 + i, path=0, req_id=f"{i:04d}" + "r" * 4092)
+    observer.drain()
+    sink.close()
+    segments = sorted((directory / "journal").glob("*.jsonl"))
+    lines = [line for path in segments for line in path.read_bytes().split(b"\n")]
+    assert max(map(len, lines)) < MAX_LINE_BYTES
+    url = sidecar(directory)
+    values = scrape(url)
+    assert skipped(values, "journal", "corrupt") == 0
+    assert _series(values, "kvobs_chunk_residency_seconds_count", reason="capacity") == [2048.0]
+    assert _series(values, "kvobs_eviction_batches_total", reason="capacity") == [2048.0]
 
 
 # -- class 3: totals ordered by their writer's sequence, not by when they were read -----------------------
