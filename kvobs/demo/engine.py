@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvobs.children import start_child
 from kvobs.demo.tiny_model import corpus
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
@@ -116,7 +117,7 @@ class VllmServer:
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        self.proc = start_child(  # ends with this process, whatever ends it (kvobs.children)
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
             cwd=str(self.log_path.parent), start_new_session=True,  # its own process group: stop() ends all of it
         )
