@@ -233,7 +233,9 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())
             for variables in variable_sets:
-                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": f"{window}s"}
+                # Counts read the value one step (or the range) earlier: a few seconds, inside the series' life.
+                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": "3s",
+                          "__interval": "2s"}
                 for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
                     match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
                     assert match is not None
@@ -345,7 +347,7 @@ def test_kvobs_counters_from_either_path_without_double_counting(tmp_path: Path)
                      timeout=90, what=f"eight scrapes of {selector}")
         assert vllm_only.query('{__name__=~"kvobs_.*"}') == []  # vLLM's /metrics is the only path there
         instance = scrape_config(None, vllm_port)["scrape_configs"][0]["static_configs"][0]["labels"]["instance"]
-        rates = {"__rate_interval": f"{window}s", "__range": f"{window}s"}
+        rates = {"__rate_interval": f"{window}s", "__range": "5s", "__interval": "5s"}  # counts: inside 8 scrapes
 
         # (a) vLLM's path alone: the variables offer its model, instance and engine (no sidecar job), and
         # every query of the counters returns data, for All and for that engine.

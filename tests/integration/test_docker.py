@@ -239,8 +239,8 @@ def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
         for matcher in rule["source_matchers"] + rule["target_matchers"]:
             if matcher.startswith("alertname="):
                 assert matcher.split("=", 1)[1].strip('"') in alert_names, matcher
-    # A routed amtool test: a load failure goes to the critical receiver, a warning to the default.
-    for labels, receiver in ((["severity=critical", "alertname=KvobsLoadFailure"], "kvobs-critical"),
+    # A routed amtool test: repeated load failures go to the critical receiver, a warning to the default.
+    for labels, receiver in ((["severity=critical", "alertname=KvobsLoadFailuresRepeated"], "kvobs-critical"),
                              (["severity=warning", "alertname=KvobsSidecarAbsent"], "kvobs-warning")):
         routed = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config_file}", *labels],
                                 capture_output=True, text=True, timeout=60)
