@@ -179,6 +179,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         # Prometheus sees both engines' zeros before the workload, so rates and increases see it happen.
         wait_for(lambda: len(prometheus.query('kvobs_load_failures_total{cause="unknown"}')) == 2,
                  what="both engines scraped")
+        scraped = time.monotonic()
         run_workload(cpu, tier)
         wait_for(lambda: prometheus.value("sum(kvobs_load_failures_total)") == len(CAUSES_PRODUCED),
                  what="the four failures scraped")
@@ -221,6 +222,9 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         # Grafana's $__rate_interval is max(4 x scrape interval, $__interval + scrape interval); the
         # window here is that at least, and long enough to hold the whole workload.
         window = max(4, math.ceil(time.monotonic() - started) + 2)
+        # A count reads the value one step (or the range) earlier: back to when both engines' zeros were
+        # scraped at the most, so the workload's failures are inside it and the series already existed.
+        counts = f"{max(1, math.floor(time.monotonic() - scraped))}s"
         # cluster: "All" (this Prometheus adds no cluster label); job: single-select, the sidecar's job.
         # vllm_metrics_process.py runs one vLLM engine ("0"): with engine "1" only vLLM's panels may be empty.
         everything = {"cluster": ".*", "job": "kvobs"}
@@ -233,9 +237,8 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())
             for variables in variable_sets:
-                # Counts read the value one step (or the range) earlier: a few seconds, inside the series' life.
-                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": "3s",
-                          "__interval": "2s"}
+                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": counts,
+                          "__interval": counts}
                 for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
                     match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
                     assert match is not None
