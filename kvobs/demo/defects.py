@@ -1,11 +1,14 @@
-"""Defects injected into a real engine's offload manager (test code only; loaded by vLLM as an inner spec).
+"""A defect injected into a real engine's offload manager, for ``kvobs demo --serve`` and tests/engine.
+
+Never configure it in production: it exists to make a real ``vllm serve`` die the way vLLM #50014
+kills engines, on demand (loaded by vLLM as kvobs's inner spec, ``kvobs.demo.defects``).
 
 ``LookupEvictsSpec`` is kvobs's CPU copy spec (vLLM's ``CPUOffloadingSpec``, kvobs/vllm/cpu_worker.py)
 whose manager, once armed, does what a tiering promotion does inside ``lookup()`` in vLLM #50014: in
 the lookup after the one that reported a chunk as a HIT, it stores new chunks, and the capacity
 evictions of those stores remove the chunk the request was just promised. The connector then asks
 ``prepare_load()`` for it and vLLM's own assertion kills EngineCore. Armed by creating the file named by
-``KVOBS_TEST_DEFECT_TRIGGER`` (so the engine serves normally until the test wants it to die);
+``KVOBS_DEFECT_TRIGGER`` (so the engine serves normally until the demo or test wants it to die);
 fires once.
 """
 
@@ -15,30 +18,36 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    get_offload_group_idx,
+    make_offload_key,
+)
 
 from kvobs.vllm.cpu_worker import CPUCopyOffloadingSpec
 
-TRIGGER_ENV = "KVOBS_TEST_DEFECT_TRIGGER"
+TRIGGER_ENV = "KVOBS_DEFECT_TRIGGER"
 FIRED_SUFFIX = ".fired"
 
 
 def _arm_eviction_inside_lookup(manager: OffloadingManager, trigger: Path) -> None:
     lookup = manager.lookup
     serial = [0]
-    reported: list[bytes] = []  # the armed request's first HIT
+    reported: list[OffloadKey] = []  # the armed request's first HIT
 
-    def evict_until_gone(key: bytes, req_context: Any) -> None:
-        group = key[-4:]
+    def evict_until_gone(key: OffloadKey, req_context: Any) -> None:
+        group = get_offload_group_idx(key)
         for _ in range(4096):  # bounded: stores of new chunks until the reported one is evicted
             serial[0] += 1
-            batch = [serial[0].to_bytes(len(key) - 4, "big") + group]
+            batch = [make_offload_key(serial[0].to_bytes(len(key) - 4, "big"), group)]
             if manager.prepare_store(batch, req_context) is not None:
                 manager.complete_store(batch, req_context)
             if lookup(key, req_context) is not LookupResult.HIT:
                 return
 
-    def lookup_that_evicts(key: bytes, req_context: Any) -> LookupResult:
+    def lookup_that_evicts(key: OffloadKey, req_context: Any) -> LookupResult:
         if reported:  # the lookup after the HIT: a "promotion" evicts the chunk the last one reported
             evict_until_gone(reported.pop(), req_context)
         result = lookup(key, req_context)
@@ -54,7 +63,7 @@ class LookupEvictsSpec(CPUCopyOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         manager = super().get_manager()
         trigger = os.environ.get(TRIGGER_ENV)
-        if trigger and not getattr(manager, "_kvobs_test_defect", False):
+        if trigger and not getattr(manager, "_kvobs_demo_defect", False):
             _arm_eviction_inside_lookup(manager, Path(trigger))
-            manager._kvobs_test_defect = True  # type: ignore[attr-defined]
+            manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
         return manager

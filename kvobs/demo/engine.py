@@ -80,6 +80,7 @@ class VllmServer:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     python_path: Sequence[Path] = ()
+    launcher: Sequence[str] = ()  # a command the server runs under, e.g. ("taskset", "-c", "1")
     port: int = field(default_factory=free_port)
     engine_blocks: int = ENGINE_BLOCKS
     proc: subprocess.Popen[bytes] | None = None
@@ -90,7 +91,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         command = [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            *self.launcher, str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override", str(self.engine_blocks), "--max-num-seqs", "8",
@@ -115,6 +116,8 @@ class VllmServer:
         return env
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> VllmServer:
+        if self.proc is not None:
+            raise RuntimeError(f"vllm serve on port {self.port} was started already")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self.proc = start_child(  # ends with this process, whatever ends it (kvobs.children)
@@ -126,7 +129,8 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"vllm serve exited with {self.proc.returncode} while starting ({self.log_path}):\n{self.log_tail()}"
+                    f"vllm serve exited with {self.proc.returncode} while starting ({self.log_path}):\n"
+                    + self.log_tail()
                 )
             if self.healthy():
                 return self
@@ -180,7 +184,7 @@ class VllmServer:
         return self.proc.returncode
 
     def __enter__(self) -> VllmServer:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

