@@ -115,23 +115,29 @@ class CopyingOffloadingWorker(OffloadingWorker):
             self._region = None
 
 
-class CPUCopyOffloadingSpec(CPUOffloadingSpec):
+class _CopyWorkerOnce:
+    """One copying worker per spec, kept on the spec itself (not in vLLM's private ``_worker``)."""
+
+    _copy_worker: CopyingOffloadingWorker | None = None
+
+
+class CPUCopyOffloadingSpec(_CopyWorkerOnce, CPUOffloadingSpec):
     """vLLM's ``CPUOffloadingSpec`` with the copying worker (a private offload buffer per worker)."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = CopyingOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        if self._copy_worker is None:
+            self._copy_worker = CopyingOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._copy_worker
 
 
-class TieringCopyOffloadingSpec(TieringOffloadingSpec):
+class TieringCopyOffloadingSpec(_CopyWorkerOnce, TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` with the copying worker, writing into the CPU tier's shared
     region, which the scheduler-side tiers (e.g. the file-system tier) read and write."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
+        if self._copy_worker is None:
             if getattr(self.config, "canonical_layout", False):
                 raise RuntimeError("kvobs's CPU copy worker copies vLLM's direct layout only: remove canonical_layout")
             region = compat.worker_offload_region(self)
-            self._worker = CopyingOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, region)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+            self._copy_worker = CopyingOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, region)
+        return self._copy_worker

@@ -104,7 +104,7 @@ def test_the_production_tier_in_a_real_engine_restores_the_kv_it_stored(
     hybrid model (5 sliding-window layers, 1 full): chunks leave the CPU tier for files and come back
     (promotions inside ``lookup()``, which kvobs sees), and the greedy outputs equal those of an
     engine that recomputes everything."""
-    prompts = shared_prefix_workload(seed=3, documents_count=6, rounds=3)
+    prompts = shared_prefix_workload(seed=3, documents_count=10, rounds=3)  # more than the engine cache holds
     directory, files = tmp_path / "kvobs", tmp_path / "fs"
     config = offload_config(kvobs_options={"dir": str(directory)}, inner_spec="TieringCopyOffloadingSpec",
                             spec_options={**fs_tier(str(files)), "cpu_bytes_to_use": 1_500_000})

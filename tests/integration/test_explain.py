@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,16 @@ def test_vllms_json_formatter_reads_as_its_text_log(quoted: dict[str, Path]) -> 
         assert explained(quoted[as_json], quoted[as_json].with_suffix("")) == want
 
 
+def assert_reads_as_the_text_log(log: Path, transform: Callable[[bytes], bytes], tmp_path: Path) -> None:
+    """``transform`` of the log explains as the log itself: same keys, causes, reports and removals."""
+    directory = log.with_suffix("")
+    want = explained(log, directory)
+    assert want and want[0]["kvobs_cause"] == "evicted_after_lookup"
+    shipped = tmp_path / "shipped.log"
+    shipped.write_bytes(transform(log.read_bytes()))
+    assert explained(shipped, directory) == want
+
+
 @pytest.mark.parametrize("log", ["text", "json", "quote", "quote json"])
 @pytest.mark.parametrize("shipping", SHIPPED)
 def test_logs_as_they_are_shipped_read_as_the_text_log(quoted: dict[str, Path], log: str, shipping: str,
@@ -257,12 +268,7 @@ def test_logs_as_they_are_shipped_read_as_the_text_log(quoted: dict[str, Path], 
     """CRLF, gzip, Docker's json-file, Loki and Elasticsearch exports, of the text log and of vLLM's
     JSON formatter's, with keys whose repr uses single or double quotes: same keys, same causes
     (kvobs's own, read from its message), same reports and removals."""
-    directory = quoted[log].with_suffix("")
-    want = explained(quoted[log], directory)
-    assert want and want[0]["kvobs_cause"] == "evicted_after_lookup"
-    shipped = tmp_path / "shipped.log"
-    shipped.write_bytes(SHIPPED[shipping](quoted[log].read_bytes()))
-    assert explained(shipped, directory) == want
+    assert_reads_as_the_text_log(quoted[log], SHIPPED[shipping], tmp_path)
 
 
 def test_an_assertion_logged_twice_is_one_assertion_not_shown(tmp_path: Path) -> None:
@@ -333,12 +339,7 @@ def test_logs_in_other_encodings_compressions_and_escapes_read_as_the_text_log(
         quoted: dict[str, Path], log: str, form: str, tmp_path: Path) -> None:
     """Decoded by content (BOM, magic bytes, NUL pattern), escapes of every ECMA-48 form removed:
     the same keys, causes, reports and removals as the plain log."""
-    directory = quoted[log].with_suffix("")
-    want = explained(quoted[log], directory)
-    assert want and want[0]["kvobs_cause"] == "evicted_after_lookup"
-    shipped = tmp_path / "shipped.log"
-    shipped.write_bytes(OTHER_FORMS[form](quoted[log].read_bytes()))
-    assert explained(shipped, directory) == want
+    assert_reads_as_the_text_log(quoted[log], OTHER_FORMS[form], tmp_path)
 
 
 @pytest.mark.parametrize(("data", "named"), [
