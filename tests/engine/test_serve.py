@@ -22,40 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, serve
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
 from services import OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
 from test_traces import SPAN, attrs, received
 
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, documents, offload_config, shared_prefix_workload
+from kvobs.demo.engine import VllmServer, documents, offload_config
 
-SERVED = "tiny-llama"
 COUNTERS = ("evicted_chunks", "load_failures", "hits_evicted_before_load")
-
-
-def completions(server: VllmServer, prompts: list[str]) -> list[list[int] | str]:
-    return [server.complete(prompt, max_tokens=12)["choices"][0]["text"] for prompt in prompts]
-
-
-def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """{sorted labels: value} of one counter (``name`` without ``_total``) in a Prometheus text page."""
-    found: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    found[tuple(sorted(sample.labels.items()))] = sample.value
-    return found
-
-
-def loaded_tokens(server: VllmServer) -> float:
-    """Prompt tokens vLLM took from the offload tier, by its own counter."""
-    text = server.metrics()
-    match = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
-                       text, re.M) or re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    assert match, "vLLM exports no counter of tokens loaded from the connector"
-    return sum(float(v) for v in match)
 
 
 @dataclass
@@ -89,7 +63,7 @@ def observed(engine_python: Path, tiny_llama: Path, tmp_path_factory: pytest.Tem
     prometheus = Prometheus(base / "prometheus", [f"127.0.0.1:{sidecar.port}"],
                             jobs={"vllm": [f"127.0.0.1:{server.port}"]}).start()
     try:
-        outputs = completions(server, shared_prefix_workload(seed=1))
+        outputs = completions(server, REFERENCE_PROMPTS)
         yield Observed(server, directory, sidecar, prometheus, receiver, trigger, outputs)
     finally:
         server.stop()
@@ -99,30 +73,26 @@ def observed(engine_python: Path, tiny_llama: Path, tmp_path_factory: pytest.Tem
 
 
 def test_greedy_outputs_with_offloading_equal_those_without_bare_and_with_kvobs(
-    observed: Observed, engine_python: Path, tiny_llama: Path, tmp_path: Path
+    observed: Observed, engine_python: Path, tiny_llama: Path, tmp_path: Path, reference_outputs: list[str]
 ) -> None:
     """The copy worker restores the KV that was stored: a workload that loads from the CPU tier gives
     the outputs of an engine that recomputes everything, with vLLM's spec alone and with kvobs."""
-    prompts = shared_prefix_workload(seed=1)
-    with serve(engine_python, tiny_llama, tmp_path / "none.log") as none:
-        without = completions(none, prompts)
-        assert loaded_tokens(none) == 0
     with serve(engine_python, tiny_llama, tmp_path / "bare.log", kv_transfer_config=offload_config(kvobs_options=None),
                served_model_name=SERVED) as bare:
         assert "ObservedOffloadingSpec" not in bare.log()
-        bare_outputs = completions(bare, prompts)
+        bare_outputs = completions(bare, REFERENCE_PROMPTS)
         bare_loaded = loaded_tokens(bare)
     # Both loaded from the CPU tier. How much depends on when the worker's store completions reach the
     # scheduler relative to the next request (on 0.30 a store finishing after its request's last step
     # is seen only at the next request's step), so the amounts are compared by benchmarks/engine.py,
     # which counts a pair only when both sides did the same work.
     assert bare_loaded > 0 and loaded_tokens(observed.server) > 0, "the workload must load from the CPU tier"
-    assert bare_outputs == without
-    assert observed.outputs == without
+    assert bare_outputs == reference_outputs
+    assert observed.outputs == reference_outputs
 
 
 def test_serving_under_pressure_vllms_metrics_and_the_sidecar_agree(observed: Observed, engine_release: str) -> None:
-    completions(observed.server, shared_prefix_workload(seed=1))  # more of the same: more evictions and loads
+    completions(observed.server, REFERENCE_PROMPTS)  # more of the same: more evictions and loads
     prom = observed.prometheus
 
     def agree() -> dict[str, float] | None:
