@@ -38,6 +38,7 @@ from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("bare", "kvobs", "kvobs+journal")
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
+BENCH_CPU_TIER_BYTES = 3_000_000  # the CPU tier of docs/performance.md section 4's figures (more evictions)
 
 
 def counters(server: VllmServer) -> dict[str, float]:
@@ -69,7 +70,7 @@ def start(side: str, python: Path, model: Path, base: Path) -> tuple[VllmServer,
     launcher = ("taskset", "-c", ",".join(map(str, cores[1:]))) if len(cores) > 1 and taskset else ()
     server = VllmServer(
         python=python, model=model, log_path=base / f"{side}.log", python_path=(ROOT,), launcher=launcher,
-        kv_transfer_config=offload_config(kvobs_options=kvobs),
+        kv_transfer_config=offload_config(kvobs_options=kvobs, spec_options={"cpu_bytes_to_use": BENCH_CPU_TIER_BYTES}),
         extra_args=["--scheduler-cls", "benchmarks.engine_scheduler.TimedScheduler"],
         env={STATS_ENV: str(stats), "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"},
     )

@@ -34,6 +34,11 @@ BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 MAX_MODEL_LEN = 1024
 # The engine's own KV cache (num_gpu_blocks_override): small, so chunks come back from the offload tier.
 ENGINE_BLOCKS = 48
+CPU_TIER_BYTES = 4_400_000
+"""The CPU tier of the tiny Llama: ~134 chunks of 32 KiB, enough for ``shared_prefix_workload``'s
+recurring documents (~70) and two rounds of its one-off ones (~60) but not three, so the third round
+evicts. vLLM 0.30's LRU keeps store order (a hit does not refresh a chunk): a tier smaller than the
+recurring set would evict each document just before it comes back, and nothing would load."""
 STARTUP_TIMEOUT_S = 300.0
 COPY_WORKER_MODULE = "kvobs.vllm.cpu_worker"
 
@@ -54,7 +59,7 @@ def offload_config(
 ) -> dict[str, Any]:
     """``--kv-transfer-config``: kvobs's spec around ``inner_spec`` (README, "Plug into vllm serve"), or
     with ``kvobs_options=None`` the inner spec alone, exactly as vLLM runs it without kvobs."""
-    extra: dict[str, Any] = {"cpu_bytes_to_use": 3_000_000, **(spec_options or {})}
+    extra: dict[str, Any] = {"cpu_bytes_to_use": CPU_TIER_BYTES, **(spec_options or {})}
     if kvobs_options is None:
         extra.update(spec_name=inner_spec, spec_module_path=inner_spec_module_path)
     else:

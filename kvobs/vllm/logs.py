@@ -5,7 +5,8 @@ time and file; JSON with ``--logging-config`` / ``VLLM_LOGGING_CONFIG_PATH``; it
 else. Without this, kvobs's ``kvobs`` logger has no handler inside vLLM, and its lines reach stderr
 through Python's last-resort handler, bare, unlike every line around them. :func:`join_vllm_logging`
 gives the ``kvobs`` logger one handler that hands each record to the ``vllm`` logger's handlers as
-they are at that moment (vLLM reconfigures logging when it spawns EngineCore), at vLLM's level.
+they are at that moment (vLLM reconfigures logging when it spawns EngineCore), at vLLM's level
+(the ``vllm`` logger's, not the root logger's).
 ``kvobs serve`` and ``kvobs explain`` never import this package and keep their own logging.
 """
 
@@ -34,8 +35,16 @@ class ThroughVllmHandler(logging.Handler):
 
 
 def join_vllm_logging() -> None:
-    """Routes the ``kvobs`` logger through vLLM's logging (once; not when someone gave it handlers)."""
+    """Routes the ``kvobs`` logger through vLLM's logging (once; not when someone gave it handlers).
+
+    vLLM's level decides which records pass, as for vLLM's own: the handler asks the ``vllm``
+    logger, and the ``kvobs`` logger itself lets every record through to it (unless someone set its
+    level). Left at NOTSET, its level would be the root logger's, which is not vLLM's: vLLM 0.30's
+    EngineCore runs with the root logger at ERROR, which silently dropped kvobs's warnings there.
+    """
     kvobs_logger = logging.getLogger(KVOBS_LOGGER)
     if kvobs_logger.handlers:
         return
     kvobs_logger.addHandler(ThroughVllmHandler())
+    if kvobs_logger.level == logging.NOTSET:
+        kvobs_logger.setLevel(logging.DEBUG)

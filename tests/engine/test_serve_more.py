@@ -53,8 +53,9 @@ def test_kvobs_steps_aside_in_a_real_engine_which_serves_as_without_it(
     assert loaded_tokens(server) > 0
     server.stop()
 
-    warnings = [json.loads(line) for line in server.log().splitlines()
-                if line.startswith("{") and "kvobs steps aside" in line]
+    # vLLM prefixes each line of its child processes with "(EngineCore pid=N) ": the JSON follows.
+    warnings = [json.loads(line[line.index("{"):]) for line in server.log().splitlines()
+                if "{" in line and "kvobs steps aside" in line]
     assert warnings, "kvobs's warning is not among vLLM's JSON log lines"
     assert {(w["levelname"], w["name"]) for w in warnings} == {("WARNING", "kvobs")}
     assert f"on vLLM {engine_release}" in warnings[0]["message"]
