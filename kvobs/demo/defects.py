@@ -26,10 +26,10 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from kvobs.demo.engine import DEFECT_FIRED_SUFFIX, DEFECT_TRIGGER_ENV
 from kvobs.vllm.cpu_worker import CPUCopyOffloadingSpec
 
-TRIGGER_ENV = "KVOBS_DEFECT_TRIGGER"
-FIRED_SUFFIX = ".fired"
+TRIGGER_ENV, FIRED_SUFFIX = DEFECT_TRIGGER_ENV, DEFECT_FIRED_SUFFIX
 
 
 def _arm_eviction_inside_lookup(manager: OffloadingManager, trigger: Path) -> None:

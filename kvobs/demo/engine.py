@@ -41,6 +41,9 @@ evicts. vLLM 0.30's LRU keeps store order (a hit does not refresh a chunk): a ti
 recurring set would evict each document just before it comes back, and nothing would load."""
 STARTUP_TIMEOUT_S = 300.0
 COPY_WORKER_MODULE = "kvobs.vllm.cpu_worker"
+DEFECT_TRIGGER_ENV = "KVOBS_DEFECT_TRIGGER"
+"""The file that arms kvobs/demo/defects.py's injected defect; it is renamed with DEFECT_FIRED_SUFFIX when it fires."""
+DEFECT_FIRED_SUFFIX = ".fired"
 
 
 def free_port() -> int:

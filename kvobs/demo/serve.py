@@ -25,8 +25,14 @@ from http.client import HTTPException
 from pathlib import Path
 
 from kvobs.children import Stopped, ends_with_signals, stop_child
-from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, documents, offload_config, shared_prefix_workload
+from kvobs.demo.engine import (
+    DEFECT_FIRED_SUFFIX as FIRED_SUFFIX,
+    DEFECT_TRIGGER_ENV as TRIGGER_ENV,
+    VllmServer,
+    documents,
+    offload_config,
+    shared_prefix_workload,
+)
 
 SERVED = "tiny-llama"
 DEFAULT_ENGINE_PYTHON = Path(".venv-cpu-0.32.0/bin/python")
