@@ -18,6 +18,16 @@ KVOBS_LOGGER = "kvobs"
 VLLM_LOGGER = "vllm"
 
 
+def _propagated_handlers(logger: logging.Logger) -> set[logging.Handler]:
+    """The handlers of ``logger``'s ancestors that its records propagate to."""
+    reached: set[logging.Handler] = set()
+    current = logger
+    while current.propagate and current.parent is not None:
+        current = current.parent
+        reached.update(current.handlers)
+    return reached
+
+
 class ThroughVllmHandler(logging.Handler):
     """Emits a kvobs record with whatever handlers the ``vllm`` logger has, if it has any."""
 
@@ -25,7 +35,12 @@ class ThroughVllmHandler(logging.Handler):
         target = logging.getLogger(VLLM_LOGGER)
         if target.handlers:
             if target.isEnabledFor(record.levelno) and not target.disabled:
-                target.handle(record)
+                # vLLM's handlers, but none the record reaches anyway by the kvobs logger's own
+                # propagation (the root's; a test harness's capture handlers on both): once each.
+                reached = _propagated_handlers(logging.getLogger(KVOBS_LOGGER))
+                for handler in target.handlers:
+                    if handler not in reached and record.levelno >= handler.level:
+                        handler.handle(record)
         elif (  # vLLM left logging alone: as if kvobs had set no handler
             not logging.getLogger().handlers
             and logging.lastResort is not None
