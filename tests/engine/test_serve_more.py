@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
 from services import Sidecar, http_get, wait_for
+from test_logs_through_vllm import json_logging_config
 
 from kvobs.codes import PATHS
 from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
@@ -21,18 +22,6 @@ from kvobs.demo.incidents import fs_tier
 
 UNKNOWN_POLICY = {"eviction_policy": "WrappedLRUPolicy", "cache_policy_module_path": "changed_protocol"}
 """A cache policy kvobs does not know (tests/integration/changed_protocol.py): kvobs must step aside."""
-
-
-def json_logging_config(path: Path) -> Path:
-    """A ``VLLM_LOGGING_CONFIG_PATH`` file: vLLM's logger as JSON lines (vLLM's documented form)."""
-    path.write_text(json.dumps({
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"json": {"class": "pythonjsonlogger.jsonlogger.JsonFormatter",
-                                "format": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s"}},
-        "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stdout"}},
-        "loggers": {"vllm": {"handlers": ["json"], "level": "INFO", "propagate": False}},
-    }))
-    return path
 
 
 def test_kvobs_steps_aside_in_a_real_engine_which_serves_as_without_it(

