@@ -58,11 +58,15 @@ STAGES: tuple[str, ...] = (
     "sink",
     "shutdown",
     "hook",
+    "survive",
 )
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
 
 DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
 """Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``)."""
+
+SURVIVE_COUNTS: tuple[str, ...] = ("loads", "tokens", "alarms")
+"""What survive mode counts (kvobs/survive.py): recomputed loads, their tokens, alarms raised."""
 
 # -- a removal batch's flags: reason in the low bits, path above ---------------------
 

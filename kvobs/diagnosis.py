@@ -56,6 +56,7 @@ class LoadFailure:
     now: float
     failing_group: int | None = None
     trace_headers: Mapping[str, str] | None = None  # the request's W3C trace context, if carried
+    recomputed: bool = False  # survive mode: vLLM recomputes the load instead of the engine dying
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,7 +238,8 @@ class JournalSink(Sink):
         return encode_totals(
             self.writer, time.time(),
             {"evicted": obs.evicted, "batches": obs.batches, "near": obs.near_misses, "failures": obs.failures,
-             "errors": obs.internal_errors, "dropped": {"journal": self.dropped, "verdicts": obs.promises.dropped}},
+             "errors": obs.internal_errors, "dropped": {"journal": self.dropped, "verdicts": obs.promises.dropped},
+             "survive": obs.recomputes.counts},
             history_keys=stats.keys, history_window_s=stats.window(time.monotonic()), seq=next(self._totals_seq),
         )
 

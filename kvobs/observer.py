@@ -20,6 +20,7 @@ from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.options import Options
 from kvobs.recording import Breach, NearMiss, Recorder, RemovalRun, Verdict
+from kvobs.survive import RecomputeLedger
 
 logger = logging.getLogger("kvobs")
 
@@ -87,6 +88,8 @@ class Observer:
         self.failures: Counter[str] = Counter(dict.fromkeys(CAUSES, 0))
         self.internal_errors: Counter[str] = Counter(dict.fromkeys(STAGES, 0))
         self.history_stats: HistoryStats = self._history.stats()
+        self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour)
+        """Survive mode's counts (zero unless the ``survive`` option turned loads into recomputes)."""
         self._next_stats_at = 0.0
         self._drain_lock = threading.RLock()
         self._draining = False
@@ -274,8 +277,10 @@ class Observer:
         unloadable: Sequence[Unloadable],
         failing_group: int | None,
         trace_headers: Mapping[str, str] | None = None,
+        recomputed: bool = False,
     ) -> Diagnosis:
-        """Diagnose a failed load and log it once (the history is complete and still while it runs)."""
+        """Diagnose a failed load and log it once (the history is complete and still while it runs):
+        at ERROR, or at WARNING when survive mode has vLLM recompute it (``recomputed``)."""
         with self._drain_lock:
             self.drain()
             now = time.monotonic()
@@ -292,11 +297,15 @@ class Observer:
                     now=now,
                     failing_group=failing_group,
                     trace_headers=trace_headers,
+                    recomputed=recomputed,
                 )
             )
         self.failures[diagnosis.cause] += 1
         self.history_stats = stats
-        logger.error("kv offload load failed: %s", diagnosis.message)
+        if recomputed:
+            logger.warning("kv offload load failed, recomputed instead (kvobs survive): %s", diagnosis.message)
+        else:
+            logger.error("kv offload load failed: %s", diagnosis.message)
         return diagnosis
 
     def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:

@@ -45,6 +45,13 @@ class Options:
     kvobs/vllm/vllm_metrics.py). Off: the spec declares, and the manager reports, exactly what the
     inner spec's do. With ``kvobs.observe()`` under a spec of your own, that spec must declare
     ``kvobs.vllm.vllm_metrics.metric_definitions(options)`` (vLLM's stat logger refuses undeclared names)."""
+    survive: bool = False
+    """Opt-in: a load that would assert for missing chunks asks vLLM to recompute them instead, and the
+    engine goes on (README, "Survive instead of crash"). Needs kvobs's connector and vLLM's
+    ``kv_load_failure_policy: "recompute"``; off, vLLM's assertion stops the engine as without kvobs."""
+    survive_alarm_per_hour: int = 10
+    """With ``survive``: more recomputed loads than this in an hour log an ERROR and count an alarm
+    (``kvobs_recompute_alarms_total``, alert ``KvobsRecomputesKeepHappening``)."""
 
 
 _INT_RANGES = {
@@ -53,9 +60,10 @@ _INT_RANGES = {
     "journal_bytes": (2**20, 2**40),
     "journal_processes": (0, 1_000),
     "max_reports": (1, 1_000_000),
+    "survive_alarm_per_hour": (1, 1_000_000),
 }
 _STRINGS = ("dir", "engine", "model_name")
-_BOOLS = ("vllm_metrics",)
+_BOOLS = ("vllm_metrics", "survive")
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 
 

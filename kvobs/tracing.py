@@ -251,7 +251,9 @@ class TracingSink(Sink):
             span.set_attribute(REQUEST_ID, diagnosis.failure.req_id)
             span.set_attribute("kv_offload.req_id", diagnosis.failure.req_id)
             span.set_attribute("kv_offload.cause", diagnosis.cause)
-            span.record_exception(exc, escaped=True)
+            # Survive mode: vLLM recomputes the load, and the assertion never leaves kvobs.
+            span.set_attribute("kv_offload.recomputed", diagnosis.failure.recomputed)
+            span.record_exception(exc, escaped=not diagnosis.failure.recomputed)
             span.add_event(EVENT_NAME, event_attributes(diagnosis))
             span.set_status(Status(StatusCode.ERROR, f"{diagnosis.cause}: {diagnosis.failure.vllm_message[:200]}"))
         finally:

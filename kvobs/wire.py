@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvobs.codes import BUCKETS, CAUSES, DROP_STAGES, PATHS, REASONS, STAGES, unpack_flags
+from kvobs.codes import BUCKETS, CAUSES, DROP_STAGES, PATHS, REASONS, STAGES, SURVIVE_COUNTS, unpack_flags
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -231,7 +231,7 @@ class Hello(NamedTuple):
 class Totals(NamedTuple):
     writer: Writer
     time: float
-    counters: dict[str, dict[str, float]]  # evicted, batches, near, failures, errors, dropped
+    counters: dict[str, dict[str, float]]  # by TOTAL_KEYS: evicted, batches, near, failures, errors, dropped, survive
     history_keys: float
     history_window_s: float
     seq: int = 0
@@ -285,10 +285,10 @@ class Note(NamedTuple):
 
 
 Record = Hello | Totals | Removals | Ages | Note
-TOTAL_KEYS = ("evicted", "batches", "near", "failures", "errors", "dropped")
+TOTAL_KEYS = ("evicted", "batches", "near", "failures", "errors", "dropped", "survive")
 _TOTAL_LABELS: dict[str, Sequence[str] | None] = {
     "evicted": REASONS, "batches": REASONS, "near": REASONS, "failures": CAUSES, "errors": STAGES,
-    "dropped": DROP_STAGES,
+    "dropped": DROP_STAGES, "survive": SURVIVE_COUNTS,
 }
 
 
@@ -676,6 +676,7 @@ def failure_report(
         "group": failure.failing_group,
         "cause": diagnosis.cause,
         "causes": diagnosis.causes,
+        "recomputed": failure.recomputed,
         "trace_id": None if trace is None else trace[0],
         "span_id": None if trace is None else trace[1],
         "num_keys": failure.num_keys,

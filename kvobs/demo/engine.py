@@ -59,9 +59,11 @@ def offload_config(
     inner_spec_module_path: str = COPY_WORKER_MODULE,
     spec_options: Mapping[str, Any] | None = None,
     connector: str = "OffloadingConnector",
+    load_failure_policy: str | None = None,
 ) -> dict[str, Any]:
     """``--kv-transfer-config``: kvobs's spec around ``inner_spec`` (README, "Plug into vllm serve"), or
-    with ``kvobs_options=None`` the inner spec alone, exactly as vLLM runs it without kvobs."""
+    with ``kvobs_options=None`` the inner spec alone, exactly as vLLM runs it without kvobs;
+    ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (survive mode needs "recompute")."""
     extra: dict[str, Any] = {"cpu_bytes_to_use": CPU_TIER_BYTES, **(spec_options or {})}
     if kvobs_options is None:
         extra.update(spec_name=inner_spec, spec_module_path=inner_spec_module_path)
@@ -73,6 +75,8 @@ def offload_config(
     config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if connector == "ObservedOffloadingConnector":
         config["kv_connector_module_path"] = "kvobs.vllm.connector"
+    if load_failure_policy is not None:
+        config["kv_load_failure_policy"] = load_failure_policy
     return config
 
 

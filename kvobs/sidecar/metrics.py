@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFam
 from prometheus_client.registry import Collector
 
 from kvobs import __version__
-from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES
+from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
 from kvobs.sidecar.ingest import Ingest
 from kvobs.wire import Histogram
 
@@ -106,6 +106,23 @@ class KvobsCollector(Collector):
             "Wall time of the failed load before the newest, by cause (0: none): a repeat is both recent.",
             labels=[*ENGINE_LABELS, "cause"],
         )
+        survive = {
+            "loads": CounterMetricFamily(
+                "kvobs_recomputed_loads",
+                "Failed loads survive mode turned into a recompute (the engine went on; 0 unless the option is on).",
+                labels=[*ENGINE_LABELS],
+            ),
+            "tokens": CounterMetricFamily(
+                "kvobs_recomputed_tokens", "Tokens vLLM recomputed for those loads (what survive mode cost).",
+                labels=[*ENGINE_LABELS],
+            ),
+            "alarms": CounterMetricFamily(
+                "kvobs_recompute_alarms",
+                "Times recomputes exceeded the survive_alarm_per_hour option within an hour (logged at ERROR).",
+                labels=[*ENGINE_LABELS],
+            ),
+        }
+        assert tuple(survive) == SURVIVE_COUNTS
         last = GaugeMetricFamily(
             "kvobs_engine_last_record_timestamp_seconds",
             "Wall time of the newest record from each engine.",
@@ -136,6 +153,8 @@ class KvobsCollector(Collector):
                     dropped.add_metric([*identity, stage], totals.get("dropped", {}).get(stage, 0))
                 for stage in STAGES:
                     errors.add_metric([*identity, stage], totals.get("errors", {}).get(stage, 0))
+                for count, family in survive.items():
+                    family.add_metric([*identity], totals.get("survive", {}).get(count, 0))
                 hist_chunks.add_metric([*identity], 0.0 if latest is None else latest.history_keys)
                 hist_window.add_metric([*identity], 0.0 if latest is None else latest.history_window_s)
                 hello = engine.hello
@@ -161,6 +180,7 @@ class KvobsCollector(Collector):
             hist_window,
             dropped,
             errors,
+            *survive.values(),
         )
         yield from (build, observing, last, newest_failure, previous_failure)
         ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")

@@ -358,3 +358,61 @@ def worker_offload_region(spec: Any) -> Any:
         kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
         cpu_page_size=spec.cpu_page_size_per_worker,
     )
+
+
+# -- survive mode (kvobs/vllm/survive.py): what it reads of vLLM's connector, the same on 0.30-0.33 ------
+#
+# * ``KVTransferConfig.kv_load_failure_policy`` ("fail" | "recompute"), read by vLLM's
+#   ``Scheduler.__init__``; with "recompute", ``Scheduler._handle_invalid_blocks`` truncates a request at
+#   the first GPU block a worker reported through ``get_block_ids_with_load_errors()`` and recomputes
+#   from there. The block ids are a flat set: vLLM maps them back to requests only with one KV cache
+#   group (0.33 raises for more; 0.30-0.32 read group 0 alone);
+# * a load is one job: ``OffloadingConnectorScheduler._req_status[req_id].transfer_jobs`` holds its id
+#   right after ``update_state_after_alloc``, ``_current_batch_load_jobs[id].dst_spec`` its GPU blocks
+#   (a ``GPULoadStoreSpec``: ``block_ids``, ``block_indices``), ``config.blocks_per_chunk`` the GPU
+#   blocks of one offloaded chunk; its keys are consecutive chunks of the request, the first possibly
+#   entered part-way (``block_indices[0]``);
+# * the source a manager's ``prepare_load`` returns is a ``BlockIDsLoadStoreSpec``: one ``block_ids``
+#   entry (an int32 numpy array) per key, in key order;
+# * the CPU manager's ``prepare_load`` pins keys one by one and asserts on the first missing or not
+#   ready one, so a failed call leaves the keys before it pinned; ``complete_load`` unpins.
+
+
+def load_failure_policy(vllm_config: Any) -> str | None:
+    """vLLM's ``kv_load_failure_policy`` ("fail" or "recompute"), None without a transfer config."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return None if transfer is None else getattr(transfer, "kv_load_failure_policy", None)
+
+
+def kv_cache_groups(kv_cache_config: Any) -> int:
+    """How many KV cache groups the engine has (survive mode needs one)."""
+    return len(kv_cache_config.kv_cache_groups)
+
+
+def survive_mismatch(connector_scheduler: Any) -> str | None:
+    """What of the above this connector scheduler lacks, or None."""
+    for name in ("_req_status", "_current_batch_load_jobs", "config"):
+        if not hasattr(connector_scheduler, name):
+            return f"OffloadingConnectorScheduler.{name}"
+    if not isinstance(getattr(connector_scheduler.config, "blocks_per_chunk", None), int):
+        return "OffloadingConnectorScheduler.config.blocks_per_chunk"
+    return None
+
+
+def load_destination(connector_scheduler: Any, req_id: str) -> tuple[list[int], int, int]:
+    """(the GPU block ids of a request's load job just built, the index in the request of its first
+    block, GPU blocks per offloaded chunk)."""
+    (job_id,) = connector_scheduler._req_status[req_id].transfer_jobs
+    dst = connector_scheduler._current_batch_load_jobs[job_id].dst_spec
+    first = int(dst.block_indices[0]) if dst.block_indices is not None and len(dst.block_indices) else 0
+    return [int(b) for b in dst.block_ids], first, int(connector_scheduler.config.blocks_per_chunk)
+
+
+def padded_load_spec(spec: Any, extra: int, filler: int = 0) -> Any:
+    """``spec`` with ``extra`` more source entries read from chunk slot ``filler`` (a valid slot; what
+    the worker copies there is reported as failed and recomputed)."""
+    import numpy as np
+
+    if extra:
+        spec.block_ids = np.concatenate([spec.block_ids, np.full(extra, filler, dtype=spec.block_ids.dtype)])
+    return spec

@@ -3,17 +3,24 @@
 Use it instead of ``OffloadingConnector`` (``"kv_connector": "ObservedOffloadingConnector",
 "kv_connector_module_path": "kvobs.vllm.connector"``) to make kvobs's failure span join the
 request's trace, and to label kvobs's series with the served model name
-(``--served-model-name``; the spec alone sees only the model path). Everything else is vLLM's.
+(``--served-model-name``; the spec alone sees only the model path). With the ``survive`` option it
+also arms survive mode (kvobs/vllm/survive.py): it reports the blocks of a recomputed load to vLLM
+as failed loads, the one way a connector tells vLLM's scheduler to recompute. Everything else is vLLM's.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from kvobs.options import OptionError
 from kvobs.vllm import compat
+from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, Survival, failed_blocks
 from kvobs.vllm.trace_context import TraceHeaders
+
+logger = logging.getLogger("kvobs")
 
 
 class ObservedOffloadingConnector(OffloadingConnector):
@@ -23,6 +30,15 @@ class ObservedOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, *args, **kwargs)  # builds the spec: kvobs.vllm.spec reads the name
         finally:
             compat.SERVED_MODEL_NAME.reset(served)
+        self._kvobs_survival: Survival | None = None
+        self._kvobs_failed_blocks: set[int] = set()  # scheduler: for the next metadata; worker: to report
+        self._kvobs_block_size = int(vllm_config.cache_config.block_size)
+        if self.connector_scheduler is not None:
+            try:
+                self._kvobs_survival = _arm_survival(self.connector_scheduler, vllm_config, args, kwargs)
+            except OptionError:
+                self.shutdown()  # start-up stops here: the manager built above is released first
+                raise
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -32,3 +48,91 @@ class ObservedOffloadingConnector(OffloadingConnector):
         req_context = compat.request_context(self.connector_scheduler, request.request_id)
         if req_context is not None:
             req_context.set_state(TraceHeaders(dict(headers)))
+
+    # -- survive mode: the scheduler's side -------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        matched = super().get_num_new_matched_tokens(request, *args, **kwargs)
+        survival = self._kvobs_survival
+        if survival is not None and request.request_id in survival.recomputed_requests:
+            return 0, False  # a request recomputes once, then loads nothing more: no loop
+        return matched
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        survival = self._kvobs_survival
+        plan = None if survival is None else survival.take_plan(request.request_id)
+        if plan is not None:
+            assert self.connector_scheduler is not None and survival is not None
+            try:
+                dst, first_index, per_chunk = compat.load_destination(self.connector_scheduler, request.request_id)
+                failed = failed_blocks(plan, dst, first_index, per_chunk)
+            except Exception as exc:  # then every block of the request: more recomputed, nothing wrong kept
+                survival.internal_error(exc)
+                failed = [block.block_id for block in blocks.blocks[0] if not block.is_null]
+            self._kvobs_failed_blocks.update(failed)
+            tokens = min(num_external_tokens, len(failed) * self._kvobs_block_size)
+            survival.recomputed(tokens)
+        return result
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._kvobs_failed_blocks:
+            setattr(meta, SURVIVED_ATTRIBUTE, frozenset(self._kvobs_failed_blocks))
+            self._kvobs_failed_blocks = set()
+        return meta
+
+    def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._kvobs_survival is not None:
+            self._kvobs_survival.finished(request.request_id)
+        return super().request_finished(request, *args, **kwargs)
+
+    def request_finished_all_groups(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._kvobs_survival is not None:
+            self._kvobs_survival.finished(request.request_id)
+        return super().request_finished_all_groups(request, *args, **kwargs)
+
+    # -- survive mode: each worker's side -------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        failed = getattr(connector_metadata, SURVIVED_ATTRIBUTE, None)
+        if failed:
+            self._kvobs_failed_blocks.update(failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._kvobs_failed_blocks = self._kvobs_failed_blocks, set()
+        return failed | super().get_block_ids_with_load_errors()
+
+
+def _arm_survival(connector_scheduler: Any, vllm_config: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Survival | None:
+    """Survive mode's state when the ``survive`` option is on and this engine can recompute a failed
+    load; an OptionError naming the setting when it cannot (refused at start-up, never at a load)."""
+    manager = getattr(connector_scheduler, "manager", None)
+    survival = getattr(manager, "survival", None)
+    options = getattr(getattr(manager, "observer", None), "options", None)
+    if options is None or not options.survive:
+        return None  # off, or kvobs stepped aside (it said so)
+    if survival is None:
+        raise OptionError("kvobs option 'survive' needs a manager whose CPU tier kvobs knows (vLLM's "
+                          "CPUOffloadingSpec or TieringOffloadingSpec as the inner spec)")
+    policy = compat.load_failure_policy(vllm_config)
+    if policy != "recompute":
+        raise OptionError(
+            f"kvobs option 'survive' needs vLLM's kv_load_failure_policy \"recompute\" in --kv-transfer-config "
+            f"(it is {policy!r}): with \"fail\" vLLM fails the request instead of recomputing it"
+        )
+    kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
+    groups = None if kv_cache_config is None else compat.kv_cache_groups(kv_cache_config)
+    if groups != 1:
+        raise OptionError(
+            f"kvobs option 'survive' needs a model with one KV cache group (this one has {groups}): vLLM maps "
+            "failed-load blocks back to requests only then (Scheduler._handle_invalid_blocks)"
+        )
+    missing = compat.survive_mismatch(connector_scheduler)
+    if missing is not None:
+        raise OptionError(f"kvobs option 'survive' does not know this vLLM's connector (no {missing})")
+    survival.armed = True
+    logger.info("kvobs survive armed: a load that finds chunks missing is recomputed, the engine goes on")
+    return survival

@@ -36,6 +36,7 @@ from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
 from kvobs.observer import Observer, Unloadable
 from kvobs.vllm import compat, vllm_metrics
+from kvobs.vllm.survive import Survival
 from kvobs.vllm.trace_context import TraceHeaders
 
 PASS_THROUGH = (
@@ -84,6 +85,12 @@ class ObservedOffloadingManager(OffloadingManager):
         put(self, "_kvobs_cpu", compat.cpu_tier_of(inner))
         taps = _taps(inner, observer, self._kvobs_load_failed)
         taps.pop("shutdown")
+        # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
+        survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
+        put(self, "_kvobs_survival", survival)
+        if survival is not None:
+            taps["prepare_load"] = survival.load_through(taps["prepare_load"])
+            taps["complete_load"] = survival.complete_through(taps["complete_load"])
         put(self, "_kvobs_taps", taps)
         for name, tap in taps.items():
             put(self, name, tap)
@@ -137,6 +144,12 @@ class ObservedOffloadingManager(OffloadingManager):
     @property
     def inner(self) -> OffloadingManager:
         return self._kvobs_inner
+
+    @property
+    def survival(self) -> Survival | None:
+        """Survive mode's state, when the ``survive`` option is on and kvobs knows the CPU tier (kvobs's
+        connector arms it)."""
+        return self._kvobs_survival
 
     @property
     def cpu_policy(self) -> Any:
@@ -217,13 +230,15 @@ class ObservedOffloadingManager(OffloadingManager):
         try:
             vllm_message = str(exc)
             unloadable = self._kvobs_unloadable(list(keys), req_context, vllm_message)
+            survival = self._kvobs_survival
+            recomputed = survival is not None and survival.try_survive(keys, unloadable, req_context, vllm_message)
             positions = [p for k in keys if (p := compat.key_position(req_context, k)) is not None]
             token_range = (min(positions), max(positions)) if positions else None
             failing = next((u.group for u in unloadable if repr(u.key) in vllm_message), None)
             carried = req_context.get_state(TraceHeaders)
             diagnosis = observer.load_failed(
                 vllm_message, req_context.req_id, len(keys), token_range, unloadable, failing,
-                trace_headers=None if carried is None else carried.headers,
+                trace_headers=None if carried is None else carried.headers, recomputed=recomputed,
             )
             exc.args = (diagnosis.message, *exc.args[1:])
         except Exception as fault:  # the original assertion still propagates

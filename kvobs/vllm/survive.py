@@ -1,0 +1,142 @@
+"""Survive mode, vLLM side: a load that would assert for missing chunks becomes a recompute.
+
+Opt-in (the ``survive`` option; README, "Survive instead of crash"). The manager's part
+(:class:`Survival`, installed by ``kvobs/vllm/manager.py``): vLLM's ``prepare_load`` asserted on
+the first chunk it cannot read, with the keys before it pinned; kvobs unpins them, pins and reads
+them again through vLLM's own ``prepare_load`` (the present prefix loads as usual), and returns
+that source padded with a filler slot for the rest, so the connector's load job keeps its shape.
+It remembers the keys it did not pin, so ``complete_load`` unpins only what was pinned.
+
+The connector's part (``kvobs/vllm/connector.py``, which arms it): the GPU blocks from the first
+unreadable chunk on (what the filler wrote, and everything after it that depends on it) go to the
+workers in the connector metadata, and each worker's ``get_block_ids_with_load_errors()`` reports
+them; vLLM's scheduler, with ``kv_load_failure_policy: "recompute"``, truncates the request there
+and recomputes. A request recomputes at most once: its later lookups load nothing, so nothing in
+this path can loop. What vLLM reads for all of it is listed in ``kvobs/vllm/compat.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+from kvobs.observer import Observer, Unloadable
+from kvobs.vllm import compat
+
+logger = logging.getLogger("kvobs")
+
+SURVIVED_ATTRIBUTE = "kvobs_failed_block_ids"
+"""The connector metadata's attribute carrying the GPU blocks to report as failed loads."""
+
+
+class Plan(NamedTuple):
+    """A load survive mode turned into a recompute: the first unreadable key's index, of how many."""
+
+    first_unreadable: int
+    num_keys: int
+
+
+class Survival:
+    """Survive mode for one observed manager (see the module)."""
+
+    def __init__(self, inner: Any, observer: Observer) -> None:
+        self._inner = inner
+        self._observer = observer
+        self.armed = False
+        self.not_armed = ("kvobs's connector did not arm it (kv_connector must be ObservedOffloadingConnector, "
+                          "kv_connector_module_path kvobs.vllm.connector)")
+        self._said_not_armed = False
+        self._unpinned: Counter[Any] = Counter()
+        self._plans: dict[str, Plan] = {}
+        self._spec: Any = None
+        self.recomputed_requests: set[str] = set()
+        """Requests whose load was recomputed: they load nothing more until they finish (no loop)."""
+
+    # -- the manager's side ---------------------------------------------------
+
+    def try_survive(self, keys: Sequence[Any], unloadable: Sequence[Unloadable], req_context: Any,
+                    vllm_message: str) -> bool:
+        """After vLLM's assertion: make the padded source (kept for :meth:`load_through`); whether it did.
+        Never raises: on anything unexpected vLLM's assertion goes on, as without survive mode."""
+        if not self.armed:
+            if not self._said_not_armed:
+                self._said_not_armed = True
+                logger.warning("kvobs survive is on but not armed: %s; the load fails as vLLM fails it",
+                               self.not_armed)
+            return False
+        req_id = req_context.req_id
+        positions = {key: i for i, key in reversed(list(enumerate(keys)))}
+        first = min((positions[u.key] for u in unloadable if u.key in positions), default=None)
+        if first is None or repr(keys[first]) not in vllm_message or req_id in self.recomputed_requests:
+            return False  # not the chunk vLLM asserted on (what it pinned is unknown), or a second time
+        try:
+            present = list(keys[:first])
+            if present:
+                self._inner.complete_load(present, req_context)  # the pins the failed call took
+            spec = self._inner.prepare_load(present, req_context)
+            self._spec = compat.padded_load_spec(spec, len(keys) - first)
+        except Exception as exc:  # vLLM's assertion goes on; the engine stops as without kvobs
+            self._observer.internal_error("survive", exc)
+            return False
+        self._unpinned.update(keys[first:])
+        self._plans[req_id] = Plan(first, len(keys))
+        self.recomputed_requests.add(req_id)
+        return True
+
+    def load_through(self, load: Callable[..., Any]) -> Callable[..., Any]:
+        """``prepare_load`` that returns the padded source where :meth:`try_survive` made one."""
+
+        def prepare_load(keys: Collection[Any], req_context: Any) -> Any:
+            try:
+                return load(keys, req_context)
+            except AssertionError:
+                spec, self._spec = self._spec, None
+                if spec is None:
+                    raise
+                return spec
+
+        return prepare_load
+
+    def complete_through(self, complete: Callable[..., Any]) -> Callable[..., Any]:
+        """``complete_load`` without the keys survive mode did not pin."""
+
+        def complete_load(keys: Collection[Any], req_context: Any) -> Any:
+            if self._unpinned:
+                keys = [key for key in keys if not self._take_unpinned(key)]
+            return complete(keys, req_context)
+
+        return complete_load
+
+    def _take_unpinned(self, key: Any) -> bool:
+        if self._unpinned[key] <= 0:
+            return False
+        self._unpinned[key] -= 1
+        if not self._unpinned[key]:
+            del self._unpinned[key]
+        return True
+
+    # -- the connector's side ---------------------------------------------------
+
+    def recomputed(self, tokens: int) -> None:
+        """Count a load the connector reported to vLLM as failed, of ``tokens`` tokens."""
+        self._observer.recomputes.recomputed(tokens)
+
+    def internal_error(self, exc: BaseException) -> None:
+        self._observer.internal_error("survive", exc)
+
+    def take_plan(self, req_id: str) -> Plan | None:
+        return self._plans.pop(req_id, None)
+
+    def finished(self, req_id: str) -> None:
+        self.recomputed_requests.discard(req_id)
+        self._plans.pop(req_id, None)
+
+
+def failed_blocks(plan: Plan, dst_block_ids: Sequence[int], first_block_index: int, blocks_per_chunk: int) -> list[int]:
+    """The GPU blocks of a load from its first unreadable chunk on: that chunk's first block in the
+    request, or the load's first block when the load entered that chunk part-way."""
+    first_chunk = first_block_index // blocks_per_chunk
+    start = max(0, (first_chunk + plan.first_unreadable) * blocks_per_chunk - first_block_index)
+    return list(dst_block_ids[start:])

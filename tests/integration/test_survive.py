@@ -1,0 +1,239 @@
+"""Survive mode at the scheduler level, on vLLM's real managers and real connector (every release).
+
+The manager's part: a load that would assert pins and reads the present prefix through vLLM's own
+``prepare_load``, returns a source of the load's full length, and ``complete_load`` unpins exactly
+what was pinned. The connector's part: the GPU blocks from the first unreadable chunk on travel in the
+connector metadata to a real worker-side connector, whose ``get_block_ids_with_load_errors()`` reports
+them once; a request recomputes once, then loads nothing more; start-up refuses what cannot work.
+(The engine's recompute and its outputs: tests/engine/test_survive.py, in real engines.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_causes import END, ctx, observed, store
+from vllm.v1.kv_offload.base import LookupResult
+from vllm_env import cpu_extra, key, tiering_extra
+
+from kvobs.demo import driver
+from kvobs.options import OptionError
+from kvobs.vllm import ObservedOffloadingManager, compat
+
+RECOMPUTED_LINE = "kv offload load failed, recomputed instead (kvobs survive): "
+
+
+def armed(managers: list, extra: dict[str, Any], **options: Any) -> ObservedOffloadingManager:
+    """An observed manager in survive mode, armed as kvobs's connector arms it."""
+    manager = observed(managers, extra, survive=True, **options)
+    assert manager.survival is not None
+    manager.survival.armed = True
+    return manager
+
+
+def slot_of(manager: ObservedOffloadingManager, k: bytes) -> int:
+    """The CPU slot vLLM's own prepare_load reads ``k`` from (pinned, then unpinned again)."""
+    probe = ctx(manager, f"probe-{k[-5:].hex()}")
+    spec = manager.inner.prepare_load([k], probe)
+    manager.inner.complete_load([k], probe)
+    return int(spec.block_ids[0])
+
+
+@pytest.mark.parametrize("extra", [cpu_extra(4), tiering_extra(4)], ids=["cpu", "tiering"])
+def test_a_missing_chunk_loads_the_present_prefix_and_pins_balance(
+    managers: list, extra: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = armed(managers, extra, dir=str(tmp_path))
+    a, b = ctx(m, "req-a"), ctx(m, "req-b")
+    store(m, [key(1), key(2), key(3)], a)
+    m.on_schedule_end(END)
+    m.touch([key(1)], a)  # LRU order now 2, 3, 1: the next store's eviction takes key(2)
+    assert [m.lookup(key(i), b) for i in (1, 2, 3)] == [LookupResult.HIT] * 3
+    present = slot_of(m, key(1))
+    store(m, [key(4), key(5)], a)  # a store between lookup and load evicts key(2)
+
+    with caplog.at_level(logging.WARNING, logger="kvobs"):
+        spec = m.prepare_load([key(1), key(2), key(3)], b)  # vLLM would assert on key(2)
+
+    # The load keeps its shape: key(1) read from its slot, the rest from a filler (reported failed).
+    assert [int(s) for s in spec.block_ids] == [present, 0, 0]
+    assert +m.observer.failures == {"evicted_after_lookup": 1}
+    assert +m.observer.near_misses == {"capacity": 1}
+    warnings = [r for r in caplog.records if r.getMessage().startswith(RECOMPUTED_LINE)]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "cause: evicted_after_lookup" in warnings[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    m.observer.close()
+    (report,) = [json.loads(p.read_text()) for p in (tmp_path / "failures").glob("*.json")]
+    assert report["recomputed"] is True and report["cause"] == "evicted_after_lookup"
+
+    # complete_load as the connector calls it, every key of the job: only key(1) was pinned.
+    m.complete_load({key(1), key(2), key(3)}, b)
+    # key(1)'s pin is gone: new chunks evict it (a leaked pin would keep it resident).
+    for i in range(6, 14):
+        m.on_schedule_end(END)
+        compat.settle_secondary_tiers(m.inner)  # the tiering manager's cascades finish
+        if m.prepare_store([key(i)], a) is not None:
+            m.complete_store([key(i)], a)
+        if compat.chunk_state(compat.cpu_tier_of(m.inner), key(1)):
+            break
+    assert m.observer.evicted["capacity"] >= 2 and compat.chunk_state(compat.cpu_tier_of(m.inner), key(1)) == "missing"
+
+
+def test_a_chunk_still_being_stored_follows_the_same_path(managers: list) -> None:
+    m = armed(managers, cpu_extra(4))
+    a, b = ctx(m, "req-a"), ctx(m, "req-b")
+    store(m, [key(1)], a)
+    store(m, [key(2)], a, complete=False)  # in flight: present, not ready
+    spec = m.prepare_load([key(1), key(2)], b)
+    assert [int(s) for s in spec.block_ids] == [slot_of(m, key(1)), 0]
+    assert +m.observer.failures == {"store_in_flight": 1}
+    m.complete_load([key(1), key(2)], b)  # key(2) was not pinned: not unpinned
+    m.complete_store([key(2)], a)  # the store lands as it would have
+    c = ctx(m, "req-c")
+    assert m.lookup(key(2), c) is LookupResult.HIT
+    m.prepare_load([key(1), key(2)], c)
+    m.complete_load([key(1), key(2)], c)
+
+
+def test_not_armed_the_load_fails_as_vllm_fails_it(managers: list, caplog: pytest.LogCaptureFixture) -> None:
+    m = observed(managers, cpu_extra(4), survive=True)  # vLLM's own connector: nobody reports blocks
+    a = ctx(m, "req-a")
+    with caplog.at_level(logging.WARNING, logger="kvobs"), pytest.raises(AssertionError, match="not found in cache"):
+        m.prepare_load([key(1)], a)
+    assert [r.getMessage() for r in caplog.records if "not armed" in r.getMessage()] == [
+        "kvobs survive is on but not armed: kvobs's connector did not arm it (kv_connector must be "
+        "ObservedOffloadingConnector, kv_connector_module_path kvobs.vllm.connector); the load fails as vLLM "
+        "fails it"]
+    assert +m.observer.failures == {"coverage_mismatch": 1}
+
+
+def test_survive_off_changes_nothing(managers: list) -> None:
+    m = observed(managers, cpu_extra(4))
+    assert m.survival is None
+    assert m.prepare_load is m._kvobs_taps["prepare_load"] and m.complete_load == m.inner.complete_load
+
+
+# -- the connector -------------------------------------------------------------------------------
+
+
+def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str = "recompute", hybrid: bool = False,
+               **options: Any) -> tuple[Any, Any, Path]:
+    """kvobs's connector, scheduler and worker sides, as ``vllm serve`` builds them, over vLLM's CPU
+    manager with the injected defect (kvobs/demo/defects.py: the lookup after a HIT evicts it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvobs.demo.engine import DEFECT_TRIGGER_ENV
+    from kvobs.vllm.connector import ObservedOffloadingConnector
+
+    trigger = tmp_path / "trigger"
+    monkeypatch.setenv(DEFECT_TRIGGER_ENV, str(trigger))
+    kv_cache_config = driver.make_kv_cache_config(hybrid=hybrid)
+    extra: dict[str, Any] = {
+        "spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
+        "kvobs": {"inner_spec": "LookupEvictsSpec", "inner_spec_module_path": "kvobs.demo.defects",
+                  "survive": True, **options},
+    }
+    probe = driver.make_offloading_config(driver.make_vllm_config(extra), kv_cache_config)
+    extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 16)
+    vllm_config = driver.make_vllm_config(extra)
+    vllm_config.kv_transfer_config.kv_load_failure_policy = policy
+    facts = driver._ModelFacts()
+    config = driver._WithModelFacts(vllm_config)
+    config.model_config = types.SimpleNamespace(  # type: ignore[assignment]
+        **{f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)},
+        get_total_num_kv_heads=facts.get_total_num_kv_heads)
+    scheduler = ObservedOffloadingConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = ObservedOffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    return scheduler, worker, trigger
+
+
+class ConnectorAsScheduler:
+    """The driver plays vLLM's Scheduler for a connector scheduler; this hands it the whole connector
+    instead (kvobs's overrides sit there), with the connector's own signatures."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        return self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, output: Any) -> Any:
+        return self.connector.build_connector_meta(output)
+
+    def request_finished(self, request: Any) -> Any:
+        return self.connector.request_finished(request, [])
+
+    def on_new_request(self, request: Any) -> None:
+        self.connector.on_new_request(request)
+
+    def update_connector_output(self, output: Any) -> None:
+        self.connector.update_connector_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connector.connector_scheduler, name)
+
+
+def test_the_connector_reports_the_blocks_and_the_request_recomputes_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    scheduler, worker, trigger = connectors(monkeypatch, tmp_path)
+    manager = scheduler.connector_scheduler.manager
+    try:
+        assert manager.survival is not None and manager.survival.armed
+        steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=False))
+        prompt = list(range(1, 4 * driver.BLOCK_SIZE + 2))
+        first = driver.make_request("first", prompt)
+        steps.step([first])
+        steps.step()
+        steps.report_all_worker_jobs()  # its chunks are stored
+        steps.finish(first)
+        steps.step()
+        steps.report_all_worker_jobs()
+
+        trigger.touch()  # the defect: the lookup after a HIT evicts the chunk it reported
+        second = driver.make_request("second", prompt)
+        meta = steps.step([second])  # vLLM's engine would die in here
+        (job,) = [j for j in meta.load_jobs.values() if j.req_id == "second"]
+        loaded = [int(b) for b in job.dst_spec.block_ids]
+        assert len(job.src_spec.block_ids) == len(loaded) // scheduler.connector_scheduler.config.blocks_per_chunk
+        # The first chunk went missing: every block of the load is reported, to each worker, once.
+        assert meta.kvobs_failed_block_ids == frozenset(loaded)
+        worker.bind_connector_metadata(meta)
+        assert worker.get_block_ids_with_load_errors() == set(loaded)
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert manager.observer.recomputes.counts == {
+            "loads": 1, "tokens": steps.num_external_tokens["second"], "alarms": 0}
+        assert +manager.observer.failures == {"evicted_after_lookup": 1}
+
+        steps.report_all_worker_jobs()  # complete_load of every key: no assertion
+        # vLLM reschedules it from the first failed block; a lookup of it again loads nothing more.
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (0, False)
+        compat.release_step(scheduler.connector_scheduler)  # that lookup ran outside a step
+        steps.step()
+        steps.finish(second)
+        assert manager.survival.recomputed_requests == set()  # forgotten when it finishes: bounded
+        steps.step()
+    finally:
+        scheduler.shutdown()
+
+
+def test_start_up_refuses_vllms_fail_policy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(OptionError) as info:
+        connectors(monkeypatch, tmp_path, policy="fail")
+    assert "'survive'" in str(info.value) and 'kv_load_failure_policy "recompute"' in str(info.value)
+    assert "'fail'" in str(info.value)
+
+
+def test_start_up_refuses_a_model_with_several_kv_cache_groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(OptionError, match="one KV cache group"):
+        connectors(monkeypatch, tmp_path, hybrid=True)
