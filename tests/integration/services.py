@@ -108,8 +108,10 @@ class Prometheus:
         wait_for(lambda: http_get(f"http://127.0.0.1:{self.port}/-/ready")[0] == 200, what="prometheus ready")
         return self
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, at ``at`` (Unix seconds) if given, else at Prometheus's now."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(params)
         status, _, body = http_get(url)
         payload = json.loads(body)
         assert status == 200 and payload["status"] == "success", payload

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,7 +178,9 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         # Prometheus sees both engines' zeros before the workload, so rates and increases see it happen.
         wait_for(lambda: len(prometheus.query('kvobs_load_failures_total{cause="unknown"}')) == 2,
                  what="both engines scraped")
-        scraped = time.monotonic()
+        # When Prometheus took that scrape of the zeros (its own clock, in ms): a count reaches back exactly there.
+        zeros = prometheus.query('timestamp(kvobs_load_failures_total{cause="unknown"})')
+        zeros_at = max(float(r["value"][1]) for r in zeros)
         run_workload(cpu, tier)
         wait_for(lambda: prometheus.value("sum(kvobs_load_failures_total)") == len(CAUSES_PRODUCED),
                  what="the four failures scraped")
@@ -222,9 +223,10 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         # Grafana's $__rate_interval is max(4 x scrape interval, $__interval + scrape interval); the
         # window here is that at least, and long enough to hold the whole workload.
         window = max(4, math.ceil(time.monotonic() - started) + 2)
-        # A count reads the value one step (or the range) earlier: back to when both engines' zeros were
-        # scraped at the most, so the workload's failures are inside it and the series already existed.
-        counts = f"{max(1, math.floor(time.monotonic() - scraped))}s"
+        # A count reads the value one step (or the range) earlier: evaluated at a chosen instant, it reaches
+        # back exactly to the zeros' scrape, so the workload's failures are inside it and the series existed.
+        # (A window in whole seconds from the test's clock could end up to a scrape after the zeros, where on a
+        # fast run the failures already were: seen in CI, the annotation read nothing.)
         # cluster: "All" (this Prometheus adds no cluster label); job: single-select, the sidecar's job.
         # vllm_metrics_process.py runs one vLLM engine ("0"): with engine "1" only vLLM's panels may be empty.
         everything = {"cluster": ".*", "job": "kvobs"}
@@ -237,8 +239,7 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())
             for variables in variable_sets:
-                values = {**variables, "datasource": "", "__rate_interval": f"{window}s", "__range": counts,
-                          "__interval": counts}
+                values = {**variables, "datasource": "", "__rate_interval": f"{window}s"}
                 for var in dashboard["templating"]["list"][1:]:  # variable queries: label_values(metric, label)
                     match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"])
                     assert match is not None
@@ -248,12 +249,12 @@ def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path
                         assert all(r["metric"].get(match[2]) for r in found), var  # no empty value offered
                     assert found, var["name"]
                 for where, expr in panel_queries(dashboard):
-                    # The count window reaches back to the zeros' scrape from now, not from when the loop
-                    # began: on a loaded machine the loop takes seconds and the failures fall out of it.
-                    counts = f"{max(1, math.floor(time.monotonic() - scraped))}s"
+                    # Evaluated now, not when the loop began: on a loaded machine the loop takes seconds.
+                    at = round(time.time(), 3)
+                    counts = f"{round((at - zeros_at) * 1000)}ms"
                     query = substitute(expr, {**values, "__range": counts, "__interval": counts})
                     vllm_queries += "vllm[:_]kv_offload" in query
-                    result = prometheus.query(query)
+                    result = prometheus.query(query, at)
                     checked += 1
                     if not result:
                         if "vllm[:_]" in query and variables["engine"] == "1":
@@ -290,11 +291,7 @@ COUNTER_PANELS = {"Load failures in range", "Near misses /s", "Load failures by 
 
 def query_at(prometheus: Prometheus, expr: str, at: float) -> dict[str, float]:
     """An instant query at ``at``: {labels: value}."""
-    url = f"http://127.0.0.1:{prometheus.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr, "time": at})
-    status, _, body = http_get(url)
-    payload = json.loads(body)
-    assert status == 200 and payload["status"] == "success", payload
-    return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in payload["data"]["result"]}
+    return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in prometheus.query(expr, at)}
 
 
 def only_path(expr: str, path: str) -> str:
