@@ -1,4 +1,4 @@
-"""vLLM glue: the only kvobs package that imports vLLM (supported: vLLM 0.30.0 to 0.33.0).
+"""vLLM glue: the only kvobs package that imports vLLM (the releases: ``kvobs.versions.SUPPORTED_VLLM``).
 
 Every vLLM process that loads the plugin (``spec_module_path: "kvobs.vllm"``) imports this
 package, the API server included, which only asks the spec for its metric definitions and config

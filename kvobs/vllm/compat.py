@@ -1,8 +1,8 @@
 """Everything kvobs knows about vLLM's offload code: its protocol, its releases, its private attributes.
 
 The only module that reads a private vLLM attribute or knows a release difference; everything
-else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: vLLM 0.30.0 to 0.33.0,
-detected by feature, never by version number. The protocol relied on, in all four:
+else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: ``kvobs.versions.SUPPORTED_VLLM``
+(0.30.0 to 0.33.0), detected by feature, never by version number. The protocol relied on, in all four:
 
 * every chunk that leaves the CPU tier leaves through the cache policy of the CPU-resident
   manager (``CPUOffloadingManager._policy``): ``evict(n, protected) -> [(key, chunk)] | None``
