@@ -1,8 +1,9 @@
 """Sidecar: journal ingest rate and ``/metrics`` latency with 8 engines' worth of series.
 
 Journals are written by kvobs's own ``JournalSink`` (the engine-side writer and
-format), one per engine, from real ``Observer.removed`` calls (36-byte keys over
-4 KV groups, residency ages, request ids) plus a few failure reports each.
+format), one per engine, from removal batches queued on the observer's recorder as the
+policy taps queue them (36-byte keys over 4 KV groups, residency ages, request ids) plus a few
+failure reports each.
 
 * ingest: a fresh ``Ingest`` reads everything (``poll()`` until nothing is
   new); evicted keys per CPU second of the one ingest thread. Reference in the
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import arg_parser, median, paired_ratios, percentile, print_table, spread, write_json
+from kvobs.codes import PATH_CODE, REASON_CODE
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer, Unloadable
@@ -76,7 +78,9 @@ class Engine:
         """Failure reports: missing keys over every group, some never recorded."""
         for n in range(count):
             keys = [self.key() for _ in range(16)]
-            self.observer.removed(keys[:12], "capacity", "lookup", f"req-x{n}")
+            self.observer.recorder.removal(keys[:12], REASON_CODE["capacity"], None, time.monotonic(),
+                                           path=PATH_CODE["lookup"], req_id=f"req-x{n}")
+            self.observer.drain()  # the removals are in the history before the diagnosis asks it
             unloadable = [Unloadable(k, i % GROUPS, 16 * (i + 1), MISSING) for i, k in enumerate(keys)]
             diagnosis = self.observer.load_failed("Chunk b'..' not found in cache", f"req-f{n}", 16,
                                                   (16, 256), unloadable, 0)

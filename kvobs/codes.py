@@ -1,4 +1,4 @@
-"""The codes every part of kvobs shares: reasons, paths, causes, stages, flag packing, defaults.
+"""The codes every part of kvobs shares: reasons, paths, causes, stages, flag packing, the recorder's defaults.
 
 One definition each, imported by the engine side (recording, history, diagnosis,
 journal), the sidecar and ``kvobs explain`` alike. Pure data: no numpy, no vLLM.
@@ -86,10 +86,8 @@ def unpack_flags(flags: int) -> tuple[int, int]:
     return flags & REASON_MASK, flags >> REASON_BITS
 
 
-# -- defaults (the options' and the recorder's) ----------------------------------------
+# -- the recorder's defaults (the options' are kvobs.options.Options's fields) ------------
 
-DEFAULT_HISTORY_SIZE = 1_000_000
-DEFAULT_MAX_VERDICTS = 262_144
 DRAIN_KEYS = 16_384
 """Queued removal keys that make the recorder ask for a drain."""
 DRAIN_BATCHES = 2_048

@@ -233,12 +233,6 @@ def scan_log(stream: BinaryIO) -> LogScan:
     return LogScan(list(found.values()), len(dropped) + untracked, damage)
 
 
-def find_assertions(stream: BinaryIO) -> tuple[list[LoggedAssertion], int]:
-    """Distinct offload assertions in a log, and how many distinct ones were not kept."""
-    scan = scan_log(stream)
-    return scan.assertions, scan.not_shown
-
-
 def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
     """kvobs's message follows vLLM's text on the same line: read its group, request and cause."""
     if entry.kvobs_cause is not None:

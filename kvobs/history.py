@@ -73,7 +73,7 @@ def fingerprints(keys: Iterable[bytes], count: int) -> np.ndarray:
 class EvictionHistory:
     """Record removal batches; answer "when was each of these keys last removed"."""
 
-    def __init__(self, capacity: int = 1_000_000) -> None:
+    def __init__(self, capacity: int) -> None:  # no default of its own: the history_size option's (kvobs.options)
         if capacity < 1:
             raise ValueError(f"history capacity must be >= 1, got {capacity}")
         self.capacity = capacity

@@ -1,7 +1,7 @@
 """vLLM offload keys, read without vLLM.
 
-vLLM 0.33.0 builds a key as ``block_hash + group_idx.to_bytes(4, "big")``
-(``vllm.v1.kv_offload.base.make_offload_key``); tests pin this against vLLM's own
+Every supported vLLM release builds a key as ``block_hash + group_idx.to_bytes(4, "big")``
+(``vllm.v1.kv_offload.base.make_offload_key``); tests pin this against the installed vLLM's own
 functions. Keys are hashes of token ids: no prompt text can be recovered from them.
 """
 

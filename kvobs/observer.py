@@ -128,22 +128,6 @@ class Observer:
 
     # -- recording -------------------------------------------------------
 
-    def removed(
-        self,
-        keys: Sequence[bytes],
-        reason: str,
-        path: str,
-        req_id: str | None,
-        residency_s: Sequence[float] | None = None,
-        now: float | None = None,
-    ) -> None:
-        """Record one removal batch from outside the taps (tests, benchmarks, replayed journals)."""
-        self.recorder.removal(
-            list(keys), REASON_CODE[reason], residency_s, time.monotonic() if now is None else now,
-            path=PATH_CODE[path], req_id=req_id,
-        )
-        self.drain()
-
     def drain(self, block: bool = True) -> None:
         """Fold every queued removal batch, in serial order (``block=False``: skip if another thread is)."""
         lock = self._drain_lock

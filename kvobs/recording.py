@@ -3,9 +3,9 @@
 One source, two forms. ``pip install`` compiles ``kvobs/_recording.py`` with mypyc where a C
 compiler is present (setup.py); the compiled module then shadows the source. Where it was
 not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same source runs as plain Python,
-with the same behaviour at about 1.1x instead of 1.08x the bare manager's CPU
-(docs/performance.md). ``HOT_PATH`` says which form runs (``kvobs_build_info`` exports it);
-the fallback says so once in the log.
+with the same behaviour at a higher cost on the scheduler thread (docs/performance.md has both
+forms' measured overhead; a figure here would go stale). ``HOT_PATH`` says which form runs
+(``kvobs_build_info`` exports it); the fallback says so once in the log.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _load() -> tuple[ModuleType, str]:
         return module, "compiled"
     logger.warning(
         "kvobs: the compiled hot path is not built (no C compiler when kvobs was installed); running it as "
-        "Python, about 1.1x the bare manager's scheduler CPU instead of 1.03x (README, 'The hot path')"
+        "Python: same results, more scheduler CPU (README, 'The compiled hot path'; docs/performance.md)"
     )
     return module, "python"
 

@@ -1,4 +1,4 @@
-"""``kvobs demo``: kvobs explaining failed loads on vLLM 0.33.0's real offloading stack, on CPU.
+"""``kvobs demo``: kvobs explaining failed loads on the installed vLLM's real offloading stack, on CPU.
 
 Starts the sidecar, serves traffic through the real ``OffloadingConnectorScheduler`` and the
 ``ObservedOffloadingSpec`` plugin on three engines (a CPU spec; tiering with vLLM's file tier, twice; see
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs.children import Stopped, ends_with_signals, start_child, stop_child
+from kvobs.versions import SUPPORTED_VLLM, minor
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -222,8 +223,8 @@ def _release_text() -> str:
 
 
 def _releases_text(setup: EngineSetup) -> str:
-    supported = [(0, 30), (0, 31), (0, 32), (0, 33)]
-    failing = [f"0.{minor}" for major, minor in supported if setup.fails_from <= (major, minor) <= setup.fails_until]
+    failing = [f"{major}.{part}" for major, part in map(minor, SUPPORTED_VLLM)
+               if setup.fails_from <= (major, part) <= setup.fails_until]
     return ", ".join(failing) or "none of the supported releases"
 
 

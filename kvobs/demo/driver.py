@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33's real ``OffloadingConnectorScheduler`` on CPU, one engine step at a time.
+"""Drive the installed vLLM's real ``OffloadingConnectorScheduler`` on CPU, one engine step at a time.
 
 Why: kvobs must be tested against the way vLLM actually calls an ``OffloadingManager``
 (lookup pass, one ``prepare_load`` per request, stores and ``on_schedule_end`` in

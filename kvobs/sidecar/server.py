@@ -203,11 +203,6 @@ def failure_page(failures_dir: Path, query: FailureQuery) -> tuple[list[dict[str
     return page, None
 
 
-def recent_failures(failures_dir: Path, limit: int) -> list[dict[str, Any]]:
-    """Failure reports, newest first, as served."""
-    return failure_page(failures_dir, FailureQuery(limit=limit))[0]
-
-
 HEALTHZ_UNREADABLE = 20
 """Paths /healthz names at most (``unreadable_files`` counts them all)."""
 

@@ -1,8 +1,8 @@
 """Everything kvobs knows about vLLM's offload code: its protocol, its releases, its private attributes.
 
 The only module that reads a private vLLM attribute or knows a release difference; everything
-else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: vLLM 0.30.0 to 0.33.0,
-detected by feature, never by version number. The protocol relied on, in all four:
+else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: ``kvobs.versions.SUPPORTED_VLLM``
+(0.30.0 to 0.33.0), detected by feature, never by version number. The protocol relied on, in all four:
 
 * every chunk that leaves the CPU tier leaves through the cache policy of the CPU-resident
   manager (``CPUOffloadingManager._policy``): ``evict(n, protected) -> [(key, chunk)] | None``
@@ -57,11 +57,12 @@ import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
-from kvobs.recording import ClearTap, EvictTap, InsertTap, PolicyTap, Recorder, RemoveTap
+if TYPE_CHECKING:
+    from kvobs.recording import Recorder
 
 logger = logging.getLogger("kvobs")
 
@@ -148,6 +149,8 @@ def num_chunks(cpu: Any) -> int:
 
 def is_hooked(manager: OffloadingManager) -> bool:
     """Whether kvobs already observes this manager's CPU tier (through another wrapper)."""
+    from kvobs.recording import PolicyTap  # here, not at import: the spec imports this module (kvobs.vllm)
+
     cpu = cpu_tier_of(manager)
     policy = getattr(cpu, "_policy", None)
     # getattr, never policy.__dict__: reading an instance's __dict__ makes CPython 3.11 give it a real
@@ -216,6 +219,8 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     The taps are instance attributes calling the original bound methods, so the policy
     stays the same object of the same class with the same state.
     """
+    from kvobs.recording import ClearTap, EvictTap, InsertTap, RemoveTap
+
     policy = cpu._policy
     taps: list[tuple[str, Callable[..., Any]]] = [
         ("evict", EvictTap(recorder, policy.evict)),

@@ -35,7 +35,9 @@ from kvobs.codes import PATH_CODE
 from kvobs.diagnosis import MISSING, NOT_READY
 from kvobs.keys import key_group
 from kvobs.observer import Observer, Unloadable
+from kvobs.options import Options
 from kvobs.vllm import compat, vllm_metrics
+from kvobs.vllm.evidence import observer_for
 from kvobs.vllm.survive import Survival
 from kvobs.vllm.trace_context import TraceHeaders
 
@@ -123,15 +125,17 @@ class ObservedOffloadingManager(OffloadingManager):
         return twin
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ObservedOffloadingManager:
-        from kvobs.vllm.observe import observe_with_options
-
-        return observe_with_options(copy.deepcopy(self._kvobs_inner, memo), self._kvobs_copy_options())
+        return self._kvobs_observed(copy.deepcopy(self._kvobs_inner, memo), self._kvobs_copy_options())
 
     def __reduce__(self) -> Any:
-        from kvobs.vllm.observe import observe_with_options
-
         options = dataclasses.replace(self._kvobs_copy_options(), tracer_provider=None)
-        return (observe_with_options, (self._kvobs_inner, options))
+        return (ObservedOffloadingManager._kvobs_observed, (self._kvobs_inner, options))
+
+    @classmethod
+    def _kvobs_observed(cls, inner: OffloadingManager, options: Options) -> ObservedOffloadingManager:
+        """A copy's ``inner`` (an unobserved manager: a copied policy gets its plain methods back),
+        freshly observed."""
+        return cls(inner, observer_for(inner, options))
 
     def _kvobs_copy_options(self) -> Any:
         return dataclasses.replace(self._kvobs_observer.options, dir=None)

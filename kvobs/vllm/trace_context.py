@@ -1,7 +1,7 @@
 """The request's W3C trace context, carried to kvobs on vLLM's ReqContext.
 
-vLLM 0.33.0's ``ReqContext`` has no trace context, but ``Request.trace_headers``
-does; ``kvobs.vllm.connector.ObservedOffloadingConnector`` stores them on the
+vLLM's ``ReqContext`` has no trace context (in none of the supported releases), but
+``Request.trace_headers`` does; ``kvobs.vllm.connector.ObservedOffloadingConnector`` stores them on the
 ReqContext with ``set_state`` (typed scratch space), and kvobs reads them at a
 failed load so the failure span joins the request's trace.
 """

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvobs.codes import CAUSES, REASONS
-from kvobs.observer import Observer
 from kvobs.options import Options
 from kvobs.vllm import compat
+
+if TYPE_CHECKING:  # the API server imports this module for metric_definitions: no observer there
+    from kvobs.observer import Observer
 
 logger = logging.getLogger("kvobs")
 

@@ -1,4 +1,5 @@
-"""Integration tests drive vLLM 0.33.0's real offloading managers on CPU."""
+"""Integration tests drive the installed vLLM's real offloading managers on CPU (any supported release;
+``make test`` runs them on each, kvobs.versions.SUPPORTED_VLLM)."""
 
 from __future__ import annotations
 

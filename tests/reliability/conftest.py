@@ -1,4 +1,4 @@
-"""Reliability tests drive vLLM 0.33.0's real managers; they reuse the integration helpers."""
+"""Reliability tests drive the installed vLLM's real managers; they reuse the integration helpers."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from vllm_env import cpu_extra, create_manager, key
 
 import kvobs
 from kvobs.sidecar.ingest import Ingest
-from kvobs.sidecar.server import recent_failures
+from kvobs.sidecar.server import FailureQuery, failure_page
 from kvobs.tracing import EVENT_NAME, MAX_SPAN_KEYS
 from kvobs.wire import MAX_REPORT_BYTES
 
@@ -57,7 +57,7 @@ def test_a_failed_load_of_many_keys_is_reported_whole(tmp_path: Path) -> None:
     assert sum(ingest.state.skipped.values()) == 0
     assert engine.missing == {("reset_after_lookup", "0"): KEYS}
     assert sum(engine.missing_age["0"].counts) == KEYS
-    [report] = recent_failures(directory / "failures", 10)
+    [report], _ = failure_page(directory / "failures", FailureQuery(limit=10))
     assert report["num_missing"] == KEYS and report["cause"] == "reset_after_lookup"
     assert len(report["missing"]) + report["missing_not_listed"] == KEYS
     [span] = exporter.get_finished_spans()

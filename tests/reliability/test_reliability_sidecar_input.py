@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from removals import record_removal
 from services import ROOT, free_port, http_get, wait_for
 
 from kvobs.journal import JournalSink
@@ -36,7 +37,7 @@ def write_engine(directory: Path, engine: str, removals: int, fail: bool = False
     sink = JournalSink(directory, observer, "test")
     observer.add_sink(sink)
     for i in range(removals):
-        observer.removed([i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"r{i}", [0.5])
+        record_removal(observer, [i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"r{i}", [0.5])
     if fail:
         from kvobs.diagnosis import MISSING
         from kvobs.observer import Unloadable
@@ -126,9 +127,10 @@ def test_a_fifo_and_symlinks_are_not_journals_or_reports(tmp_path: Path) -> None
     values = metrics(ingest)
     assert evicted(values, "e0") == 3 and skipped(values, "report", "unreadable") == 1
     assert skipped(values, "journal", "unreadable") == 2
-    from kvobs.sidecar.server import recent_failures
+    from kvobs.sidecar.server import FailureQuery, failure_page
 
-    assert [f["engine"] for f in recent_failures(directory / "failures", 10)] == ["e0"]  # the link is not served
+    served, _ = failure_page(directory / "failures", FailureQuery(limit=10))
+    assert [f["engine"] for f in served] == ["e0"]  # the link is not served
 
 
 def test_numbers_no_float_can_hold_are_skipped_not_saved_and_not_served(tmp_path: Path) -> None:
@@ -189,7 +191,7 @@ def test_totals_stay_exact_whatever_the_number_of_writers_of_one_engine(tmp_path
         writers.append((observer, sink))
     for round_ in range(30):
         for n, (observer, sink) in enumerate(writers):
-            observer.removed([(round_ * 100 + n).to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", "r")
+            record_removal(observer, [(round_ * 100 + n).to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", "r")
             if (round_ + n) % 7 == 0:
                 sink.flush()
         ingest.poll()

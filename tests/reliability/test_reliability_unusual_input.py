@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from removals import record_removal
 from services import http_get
 from test_reliability_sidecar_input import scrape, serve, skipped
 
@@ -85,7 +86,7 @@ def test_a_long_or_odd_model_path_does_not_hide_the_engine(tmp_path: Path, sidec
     directory = tmp_path / "kvobs"
     observer, sink = _engine(directory, engine="0", model_name=model_name)
     for i in range(12):
-        observer.removed([_key(i)], "capacity", "store", f"r{i}", [0.5])
+        record_removal(observer, [_key(i)], "capacity", "store", f"r{i}", [0.5])
     _fail(observer, sink)
     _fail(observer, sink)
     sink.close()
@@ -162,7 +163,7 @@ def test_a_journal_backlog_is_exported_with_the_newest_totals(tmp_path: Path, si
     serial = 0
     while True:
         for _ in range(8):
-            observer.removed([_key(serial * batch + j) for j in range(batch)], "capacity", "store", "r")
+            record_removal(observer, [_key(serial * batch + j) for j in range(batch)], "capacity", "store", "r")
             serial += 1
         sink.flush()  # a totals line after each few batches
         [segment, *rest] = sorted((directory / "journal").glob("*.jsonl"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
-from kvobs.explain import MAX_LINE_CHARS, ExplainError, add_directory_evidence, find_assertions, render
+from kvobs.explain import MAX_LINE_CHARS, ExplainError, add_directory_evidence, render, scan_log
 from kvobs.logtext import COMPRESSED
 
 KEY = b"\x07" * 32 + (3).to_bytes(4, "big")
@@ -16,8 +16,7 @@ LINE = f"(EngineCore_DP2 pid=7) ERROR 11-29 10:00:00 [core.py:1] AssertionError:
 
 
 def _find(text: bytes) -> list:
-    entries, _ = find_assertions(io.BytesIO(text))
-    return entries
+    return scan_log(io.BytesIO(text)).assertions
 
 
 def test_decodes_key_engine_and_time() -> None:
@@ -61,7 +60,8 @@ def test_arbitrary_bytes_never_raise(prefix: bytes, suffix: bytes) -> None:
     """Nothing but ExplainError (a compression kvobs cannot decode, said so: exit 2) ever leaves explain."""
     for text in (prefix, prefix + b"Chunk b'" + suffix + b"' not found in cache" + suffix, prefix + LINE.encode()):
         try:
-            entries, dropped = find_assertions(io.BytesIO(text))
+            scan = scan_log(io.BytesIO(text))
+            entries, dropped = scan.assertions, scan.not_shown
         except ExplainError as exc:
             assert text.startswith(tuple(magic for magic, _, opener in COMPRESSED if opener is None)), exc
             continue

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from removals import record_removal
+
 from kvobs.diagnosis import MISSING
 from kvobs.journal import KEEP_SEGMENTS, REPORT_BYTES, JournalSink, disk_bound
 from kvobs.observer import Observer, Unloadable
@@ -29,7 +31,7 @@ def test_a_busy_engine_stays_within_its_journal_bound(tmp_path: Path) -> None:
     sink = JournalSink(tmp_path, observer)
     observer.add_sink(sink)
     for i in range(40_000):
-        observer.removed([i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"request-{i}", [0.5])
+        record_removal(observer, [i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"request-{i}", [0.5])
         if i % 9_000 == 0:
             sink.flush()
     sink.close()
@@ -71,7 +73,7 @@ def test_model_name_and_engine_label_every_series_and_not_the_sidecars(tmp_path:
         observer = Observer(Options(engine=engine, model_name=model))
         sink = JournalSink(tmp_path, observer)
         observer.add_sink(sink)
-        observer.removed([os.urandom(36)], "capacity", "store", "r", [0.5])
+        record_removal(observer, [os.urandom(36)], "capacity", "store", "r", [0.5])
         sink.close()
     ingest = Ingest(tmp_path)
     ingest.poll()

@@ -16,17 +16,20 @@ import pytest
 from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
 
+TESTS = str(Path(__file__).resolve().parents[1])
 ENGINE_PROCESS = """
 import sys
+sys.path.insert(0, sys.argv[4])  # tests/, for removals.py
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer
 from kvobs.options import Options
+from removals import record_removal
 
 observer = Observer(Options(dir=sys.argv[1], engine=sys.argv[2], journal_processes=int(sys.argv[3])))
 sink = JournalSink(sys.argv[1], observer)
 observer.add_sink(sink)
 for i in range(3):
-    observer.removed([bytes(32) + i.to_bytes(4, "big")], "capacity", "store", "r")
+    record_removal(observer, [bytes(32) + i.to_bytes(4, "big")], "capacity", "store", "r")
 sink.close()
 """
 
@@ -42,7 +45,7 @@ def test_earlier_processes_segments_are_pruned_and_totals_stay_exact(tmp_path: P
     restarts = kept + 4
     for _ in range(restarts):
         for engine in ("e0", "e1"):  # e1 restarts too; e0's pruning must not touch it, nor e1's e0's
-            subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(directory), engine, str(kept)],
+            subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(directory), engine, str(kept), TESTS],
                            check=True, timeout=60)
         ingest.poll()  # the sidecar keeps up: every process's totals read before its files go
     journal = directory / "journal"

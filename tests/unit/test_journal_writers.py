@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from removals import record_removal
+
 from kvobs import journal
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer
@@ -24,7 +26,7 @@ def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(tmp_pa
         writers.append((observer, sink))
     for i in range(600):
         for k, (observer, _) in enumerate(writers):
-            observer.removed([bytes(32) + (2 * i + k).to_bytes(4, "big")], "capacity", "store", f"r{k}")
+            record_removal(observer, [bytes(32) + (2 * i + k).to_bytes(4, "big")], "capacity", "store", f"r{k}")
         if i % 50 == 49:
             for _, sink in writers:
                 sink.flush()

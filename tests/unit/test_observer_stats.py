@@ -3,6 +3,8 @@ second of batch time, however the batches reach the history (one by one or as a 
 
 from __future__ import annotations
 
+from removals import record_removal
+
 from kvobs.observer import Observer
 
 
@@ -12,9 +14,9 @@ def _key(i: int) -> bytes:
 
 def test_history_stats_refresh_once_a_second_of_batch_time() -> None:
     observer = Observer()
-    observer.removed([_key(1)], "capacity", "store", "r", now=1000.0)
+    record_removal(observer, [_key(1)], "capacity", "store", "r", now=1000.0)
     assert observer.history_stats.keys == 1
-    observer.removed([_key(2)], "capacity", "store", "r", now=1000.4)  # within the second: not yet
+    record_removal(observer, [_key(2)], "capacity", "store", "r", now=1000.4)  # within the second: not yet
     assert observer.history_stats.keys == 1
-    observer.removed([_key(3)], "capacity", "store", "r", now=1001.5)
+    record_removal(observer, [_key(3)], "capacity", "store", "r", now=1001.5)
     assert (observer.history_stats.keys, observer.history_stats.newest_time) == (3, 1001.5)

@@ -1,0 +1,39 @@
+"""The evidence kvobs keeps for one manager: its observer, sinks and cache-policy hook.
+
+Apart from :mod:`kvobs.vllm.observe` so that the wrapper (:mod:`kvobs.vllm.manager`) can build a
+copy's fresh evidence without importing ``observe``, which imports the wrapper: imports here go
+one way, observe -> manager -> evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.kv_offload.base import OffloadingManager
+
+from kvobs.observer import Observer
+from kvobs.options import Options
+from kvobs.vllm import compat
+
+
+def observer_for(manager: OffloadingManager, options: Options) -> Observer:
+    """Check the protocol, build the observer and its sinks (the journal when ``dir`` is set,
+    always the tracer), and hook the CPU tier's policy; ``manager`` is not observed yet."""
+    compat.check(manager)
+    if options.engine is None:  # one engine, as vLLM numbers a single engine: stable across restarts
+        options = dataclasses.replace(options, engine="0")
+    cpu = compat.cpu_tier_of(manager)
+    observer = Observer(options, num_stamps=0 if cpu is None else compat.num_chunks(cpu))
+    if options.dir is not None:
+        from kvobs.journal import JournalSink
+
+        try:
+            observer.add_sink(JournalSink(options.dir, observer, compat.VLLM_VERSION))
+        except OSError as exc:  # an unusable directory must not stop the engine: counted, logged, in-process only
+            observer.internal_error("journal", exc)
+    from kvobs.tracing import TracingSink
+
+    observer.add_sink(TracingSink(options.tracer_provider))
+    if cpu is not None:
+        compat.hook_policy(cpu, observer.recorder, stamp_inserts=observer.recorder.keep_residency)
+    return observer

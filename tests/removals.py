@@ -1,0 +1,30 @@
+"""Record a removal batch on an Observer from a test, as the policy taps would (queued, then drained).
+
+Test-only, so it lives here rather than on ``kvobs.observer.Observer``. tests/ is on ``sys.path``
+(pytest puts the directory of tests/conftest.py there), so every test directory imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvobs.codes import PATH_CODE, REASON_CODE
+from kvobs.observer import Observer
+
+
+def record_removal(
+    observer: Observer,
+    keys: Sequence[bytes],
+    reason: str,
+    path: str,
+    req_id: str | None,
+    residency_s: Sequence[float] | None = None,
+    now: float | None = None,
+) -> None:
+    """One removal batch of ``keys`` (``reason`` and ``path`` by name), folded at once."""
+    observer.recorder.removal(
+        list(keys), REASON_CODE[reason], residency_s, time.monotonic() if now is None else now,
+        path=PATH_CODE[path], req_id=req_id,
+    )
+    observer.drain()

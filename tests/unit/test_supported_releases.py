@@ -1,0 +1,56 @@
+"""The supported vLLM releases are one fact (kvobs/versions.py); the places that restate it must agree.
+
+A new release is one edit of ``SUPPORTED_VLLM`` plus whatever these tests then name.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from kvobs.versions import SUPPORTED_VLLM, minor
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST, LAST = SUPPORTED_VLLM[0], SUPPORTED_VLLM[-1]
+
+
+def test_the_releases_are_distinct_and_oldest_first() -> None:
+    assert list(map(minor, SUPPORTED_VLLM)) == sorted(set(map(minor, SUPPORTED_VLLM)))
+
+
+def test_pyprojects_vllm_extra_admits_exactly_the_supported_minor_releases() -> None:
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    (first_major, first_minor), (last_major, last_minor) = minor(FIRST), minor(LAST)
+    assert extra == [f"vllm>={first_major}.{first_minor},<{last_major}.{last_minor + 1}"]
+
+
+def test_the_readme_states_the_supported_releases() -> None:
+    readme = (ROOT / "README.md").read_text()
+    stated = re.search(r"^Supported: \*\*vLLM ([^*]+)\*\*", readme, re.M)
+    assert stated, "README lost its 'Supported: **vLLM ...**' line"
+    assert re.split(r", | and ", stated[1]) == list(SUPPORTED_VLLM)
+    table = re.findall(r"^\| (\d+\.\d+\.\d+) \| ", readme, re.M)  # the 'tested by make test' table
+    assert sorted(table, key=minor) == list(SUPPORTED_VLLM)
+
+
+def test_make_test_runs_every_supported_release() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    default = re.search(r"^VLLM_VERSION \?= (\S+)", makefile, re.M)
+    older = re.search(r"^OLD_RELEASES \?= (.+)$", makefile, re.M)
+    assert default and older
+    assert default[1] == LAST  # the reference release, the whole suite runs on it
+    assert sorted([default[1], *older[1].split()], key=minor) == list(SUPPORTED_VLLM)
+
+
+def test_every_stated_range_of_releases_is_the_supported_one() -> None:
+    """Prose that gives the range ("<first> to <last>", full release numbers) in the docs, pyproject, the code."""
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
+    for tree in ("kvobs", "tests", "benchmarks"):
+        paths += sorted((ROOT / tree).rglob("*.py"))
+    wrong = []
+    for path in paths:
+        for found in re.finditer(r"\b(\d+\.\d+\.\d+) to (\d+\.\d+\.\d+)\b", path.read_text()):
+            if (found[1], found[2]) != (FIRST, LAST):
+                wrong.append(f"{path.relative_to(ROOT)}: {found[0]}")
+    assert wrong == [], f"the supported releases are {FIRST} to {LAST}"
