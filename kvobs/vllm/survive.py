@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvobs.observer import Observer, Unloadable
 from kvobs.vllm import compat
+
+if TYPE_CHECKING:  # the connector imports this module in vLLM's API server too: no recording side there
+    from kvobs.observer import Observer, Unloadable
 
 logger = logging.getLogger("kvobs")
 

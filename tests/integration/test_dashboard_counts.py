@@ -42,8 +42,8 @@ def step_at(after: int) -> str:
 
 
 def one_failure() -> list[dict[str, str]]:
-    """One failed load (cause evicted_after_lookup, one missing chunk of group 0, evicted 0.3 s before),
-    one capacity eviction of a chunk resident for 2 s, on both paths; steady evictions and near misses
+    """One failed load (cause evicted_after_lookup, one missing chunk of group 0, evicted 0.3 s before;
+    recomputed by survive mode, with an alarm), one capacity eviction of a chunk resident for 2 s, on both paths; steady evictions and near misses
     (1 a second) on both paths; the sidecar's build info."""
     inputs = [series("kvobs_build_info", {**SIDECAR, "version": "0.1.0", "vllm_version": "0.33.0",
                                           "hot_path": "compiled"}, f"1x{SAMPLES - 1}")]
@@ -56,6 +56,9 @@ def one_failure() -> list[dict[str, str]]:
             inputs.append(series(full, {**labels, "reason": "capacity"}, f"0+{SCRAPE_S}x{SAMPLES - 1}"))
     inputs.append(series("kvobs_missing_chunks_total", {**SIDECAR, "cause": "evicted_after_lookup", "group": "0"},
                          step_at(1)))
+    # Survive mode's counters (sidecar only): that failure recomputed, and the alarm it raised.
+    for counter in ("kvobs_recomputed_loads_total", "kvobs_recompute_alarms_total"):
+        inputs.append(series(counter, SIDECAR, step_at(1)))
     for le, hit in (("0.1", 0), ("0.5", 1), ("+Inf", 1)):
         inputs.append(series("kvobs_missing_chunk_eviction_age_seconds_bucket", {**SIDECAR, "group": "0", "le": le},
                              step_at(hit)))
