@@ -128,8 +128,10 @@ class RecentRemovals:
 
     def __init__(self, size: int) -> None:
         self._size = max(1, size)
-        self._new: dict[bytes, int] = {}
-        self._old: dict[bytes, int] = {}
+        # Keyed by the key's hash, not the key: vLLM's key objects are freed when vLLM drops them
+        # (64-bit hashes of a few ten thousand keys collide with odds near 1e-10).
+        self._new: dict[int, int] = {}
+        self._old: dict[int, int] = {}
         self._new_first = 0  # serial of the first batch the current new generation holds
         self.exact_from = 0
         self.unlisted_reset = -1  # serial of the last reset that removed keys nobody could list
@@ -137,7 +139,7 @@ class RecentRemovals:
     def add(self, keys: list[bytes], serial: int) -> None:
         new = self._new
         for key in keys:
-            new[key] = serial
+            new[hash(key)] = serial
         if len(new) >= self._size:
             self._old = new  # the generation dropped held only removals before this one's first
             self.exact_from = self._new_first
@@ -146,9 +148,10 @@ class RecentRemovals:
 
     def last(self, key: bytes) -> int:
         """Serial of the key's last removal remembered here, -1 if none."""
-        serial = self._new.get(key)
+        fingerprint = hash(key)
+        serial = self._new.get(fingerprint)
         if serial is None:
-            serial = self._old.get(key, -1)
+            serial = self._old.get(fingerprint, -1)
         return serial if serial > self.unlisted_reset else self.unlisted_reset
 
     def __len__(self) -> int:
