@@ -71,6 +71,9 @@ def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_o
             return loads.get(ident) == times_fired and tokens.get(ident, 0) > 0
 
         wait_for(counted, timeout=30, what="the sidecar's recompute counters")
+        tokens = samples(http_get(f"{sidecar.url}/metrics")[2].decode(), "kvobs_recomputed_tokens")
+        print(f"survive: {times_fired} of {len(REFERENCE_PROMPTS)} requests recomputed ({sum(tokens.values()):.0f} "
+              f"tokens), {loaded_tokens(server):.0f} tokens loaded from the CPU tier, outputs equal")
     finally:
         server.stop()
         sidecar.stop()
