@@ -43,8 +43,8 @@ def step_at(after: int) -> str:
 
 def one_failure() -> list[dict[str, str]]:
     """One failed load (cause evicted_after_lookup, one missing chunk of group 0, evicted 0.3 s before;
-    recomputed by survive mode, with an alarm), one capacity eviction of a chunk resident for 2 s, on both paths; steady evictions and near misses
-    (1 a second) on both paths; the sidecar's build info."""
+    recomputed by survive mode, with an alarm), one capacity eviction of a chunk resident for 2 s, on
+    both paths; steady evictions and near misses (1 a second) on both paths; the sidecar's build info."""
     inputs = [series("kvobs_build_info", {**SIDECAR, "version": "0.1.0", "vllm_version": "0.33.0",
                                           "hot_path": "compiled"}, f"1x{SAMPLES - 1}")]
     for name, labels in (("kvobs_load_failures_total", SIDECAR),
