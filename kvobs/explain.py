@@ -37,14 +37,8 @@ from typing import Any, BinaryIO
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
 from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
-from kvobs.wire import (
-    MAX_LINE_BYTES as MAX_JOURNAL_LINE_BYTES,
-    MAX_REPORT_BYTES,
-    Removals,
-    decode_record,
-    iter_reports,
-    key_ref,
-)
+from kvobs.wire.decode import decode_record, iter_reports
+from kvobs.wire.format import MAX_LINE_BYTES as MAX_JOURNAL_LINE_BYTES, MAX_REPORT_BYTES, Removals, key_ref
 
 MAX_LINE_CHARS = 1 << 20
 """Longer log lines are cut (an assertion line is a few hundred characters; kvobs's own ~2 KiB)."""

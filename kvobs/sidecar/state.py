@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from kvobs.codes import CAUSES, REASONS
-from kvobs.wire import (
+from kvobs.wire.decode import Report
+from kvobs.wire.format import (
     TOTAL_KEYS,
     Ages,
     Hello,
-    Histogram,
     Record,
     Removals,
-    Report,
     Totals,
     is_count,
     is_hex_id,
@@ -36,6 +35,7 @@ from kvobs.wire import (
     is_model_name,
     is_seconds,
 )
+from kvobs.wire.histogram import Histogram
 
 CHECKPOINT_FORMAT = 3
 READABLE_FORMATS = (2, 3)  # format 2 knew engines by their engine label alone (model_name "")
@@ -215,7 +215,7 @@ class _Restore:
     def __init__(self, data: Any) -> None:
         if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
             raise ValueError("not a kvobs sidecar checkpoint of a format this sidecar reads")
-        from kvobs.wire import Writer
+        from kvobs.wire.format import Writer
 
         self._writer = Writer
         state = self.state = SidecarState()

@@ -75,7 +75,8 @@ def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
 
     from kvobs.codes import pack_flags
     from kvobs.recording import RemovalRun
-    from kvobs.wire import Writer, encode_removals
+    from kvobs.wire.encode import encode_removals
+    from kvobs.wire.format import Writer
 
     directory = tmp_path / "kvobs"
     (directory / "journal").mkdir(parents=True)

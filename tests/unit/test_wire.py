@@ -1,4 +1,4 @@
-"""kvobs.wire: what the engine writes is what the sidecar and `kvobs explain` read back, exactly;
+"""kvobs.wire: what the engine writes (encode) is what the sidecar and `kvobs explain` read back (decode), exactly;
 and whatever else is on disk is refused field by field, never folded."""
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ import pytest
 
 from kvobs.codes import PATHS, REASONS, pack_flags
 from kvobs.recording import RemovalRun
-from kvobs.wire import (
-    KEYS_LISTED,
-    Ages,
-    Removals,
-    Writer,
-    decode_record,
-    encode_hello,
-    encode_removals,
-    encode_totals,
-    key_ref,
-    ref_text,
-)
+from kvobs.wire.decode import decode_record
+from kvobs.wire.encode import encode_hello, encode_removals, encode_totals
+from kvobs.wire.format import KEYS_LISTED, Ages, Removals, Writer, key_ref, ref_text
 
 W = Writer('dp"0\\é', 1234, "abcdef")
 
