@@ -111,12 +111,31 @@ def test_the_sidecars_modules_import_neither_numpy_nor_the_hot_path_nor_vllm() -
     probe = (
         "import sys, kvobs.sidecar.server, kvobs.explain, kvobs.cli;"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'vllm', 'torch')"
-        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal'));"
+        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal',"
+        " 'kvobs.wire.encode'));"
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
 
+
+def test_the_decoder_is_stdlib_only() -> None:
+    """What the sidecar, its checkpoint and `kvobs explain` read with loads the standard library and the
+    format alone; the package itself loads none of its modules."""
+    probe = (
+        "import sys; before = set(sys.modules); import kvobs.wire;"
+        "pkg = sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'kvobs');"
+        "import kvobs.wire.decode;"
+        "new = set(sys.modules) - before;"
+        "print(','.join(pkg)); print(','.join(sorted(m for m in new if m.split('.')[0] != 'kvobs'"
+        " and m.split('.')[0] not in sys.stdlib_module_names))); print(','.join(sorted(m for m in new"
+        " if m.split('.')[0] == 'kvobs')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    package, third_party, kvobs_modules = out.stdout.splitlines()
+    assert package == "kvobs,kvobs.wire"
+    assert third_party == ""
+    assert kvobs_modules == "kvobs,kvobs.codes,kvobs.wire,kvobs.wire.decode,kvobs.wire.format,kvobs.wire.histogram"
 
 def _checkpoint_and_lines() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A sidecar checkpoint folded from one totals and one hello line, and those two lines."""
