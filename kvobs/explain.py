@@ -37,13 +37,16 @@ from typing import Any, BinaryIO
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
 from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
-from kvobs.wire import (
-    MAX_LINE_BYTES as MAX_JOURNAL_LINE_BYTES,
+from kvobs.wire.decode import JournalPosition, iter_reports, read_records
+from kvobs.wire.format import (
+    FAILURES_DIR,
+    JOURNAL_DIR,
+    JOURNAL_SUFFIX,
+    KEYS_LISTED,
     MAX_REPORT_BYTES,
     Removals,
-    decode_record,
-    iter_reports,
     key_ref,
+    ref_from_text,
 )
 
 MAX_LINE_CHARS = 1 << 20
@@ -264,7 +267,7 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
     """Failure reports and journaled removals in a kvobs directory, for each logged key."""
     if not directory.is_dir():
         raise ExplainError(f"--dir {directory}: not a directory (expected the KVOBS_DIR the engines wrote)")
-    for report in iter_reports(directory / "failures"):
+    for report in iter_reports(directory / FAILURES_DIR):
         for entry in entries:
             if _report_matches(report, entry):
                 entry.reports.append(report)
@@ -274,7 +277,7 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
         if ref is not None:
             wanted.setdefault(ref, []).append(entry)
     if wanted:
-        for removal in _journal_removals(directory / "journal", set(wanted)):
+        for removal in _journal_removals(directory / JOURNAL_DIR, set(wanted)):
             for entry in wanted[removal["key"]]:
                 entry.removals.append(removal)
         for entry in entries:
@@ -284,38 +287,24 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
 
 def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, Any]]:
     """Removals of any of ``refs`` in the journals (keys beyond the first ones listed per batch
-    are counted there, not named). Only ``removals`` lines are decoded."""
+    are counted there, not named), read by the sidecar's decoder (``kvobs.wire.decode``): a line is
+    a removals record by its fields, whatever the order of its keys."""
     if not journal_dir.is_dir():
         return
-    wanted = {ref_bytes: ref for ref in refs if (ref_bytes := _ref_bytes(ref)) is not None}
+    wanted = {ref_bytes: ref for ref in refs if (ref_bytes := ref_from_text(ref)) is not None}
     budget = MAX_JOURNAL_BYTES
-    for path in sorted(journal_dir.glob("*.jsonl")):
+    for path in sorted(journal_dir.glob("*" + JOURNAL_SUFFIX)):
+        position = JournalPosition()
         try:
-            with open(path, "rb") as journal:
-                while raw := journal.readline(MAX_JOURNAL_LINE_BYTES):
-                    budget -= len(raw)
-                    if budget < 0:
-                        return
-                    if b'"k":"removals"' not in raw[:32]:
-                        continue
-                    try:
-                        record = decode_record(json.loads(raw))
-                    except (ValueError, RecursionError):
-                        continue
-                    if isinstance(record, Removals):
-                        yield from _removals_in(record, wanted)
+            for record in read_records(path, position, budget):
+                if isinstance(record, Removals):
+                    yield from _removals_in(record, wanted)
         except OSError:
             continue
-
-
-def _ref_bytes(ref: str) -> bytes | None:
-    """``key_ref`` text back to the bytes a removals line lists."""
-    prefix, _, group = ref.partition("/")
-    try:
-        raw = bytes.fromhex(prefix)
-        return raw + int(group).to_bytes(4, "big") if len(raw) == 8 else None
-    except (ValueError, OverflowError):
-        return None
+        finally:
+            budget -= position.offset
+        if budget <= 0:
+            return
 
 
 def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[str, Any]]:
@@ -461,7 +450,7 @@ def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source
                        f"path={removal['path']}, req_id={removal['req_id']!r}{resident}")
         if have_data and not entry.reports and not entry.removals:
             out.append("  kvobs data: no record of this key (older than the journals kept, listed beyond the first "
-                       "256 keys of a batch, or kvobs was not running on that engine)")
+                       f"{KEYS_LISTED} keys of a batch, or kvobs was not running on that engine)")
         if not have_data and not entry.kvobs_cause:
             if entry.state == "not_ready":
                 out.append("  This log alone names the cause: store_in_flight.")

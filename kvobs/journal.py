@@ -1,6 +1,7 @@
 """The engine's side of the journal: a per-engine append-only file of records in ``KVOBS_DIR``.
 
-The records' format, and every reader of it, is ``kvobs.wire``.
+The records' format is ``kvobs.wire.format``, their encoders ``kvobs.wire.encode``, every reader
+``kvobs.wire.decode``.
 
 Why a journal: the engine must never block on the sidecar (or on anything), one
 sidecar must serve every DP rank of a node, and the evidence must outlive the
@@ -39,17 +40,20 @@ from kvobs.files import private_dir, write_all, write_durably
 from kvobs.observer import Sink
 from kvobs.options import Options
 from kvobs.recording import HOT_PATH, NearMiss, RemovalRun
-from kvobs.wire import (
+from kvobs.wire.encode import bounded_report, encode_hello, encode_note, encode_removals, encode_totals, failure_report
+from kvobs.wire.format import (
+    FAILURES_DIR,
+    JOURNAL_DIR,
+    JOURNAL_SUFFIX,
     MAX_LINE_BYTES,
+    REPORT_SUFFIX,
     Writer,
-    bounded_report,
-    encode_hello,
-    encode_note,
-    encode_removals,
-    encode_totals,
-    failure_report,
     fit_model_name,
+    journal_name,
+    journal_stem,
+    parse_stem,
     report_name,
+    stem_of,
 )
 
 if TYPE_CHECKING:
@@ -98,20 +102,14 @@ def _claim_stem(journal_dir: Path, engine: str) -> str:
     Two observed managers with one engine name in one process (``observe()`` twice, with the
     default ``engine="0"``) would otherwise write, and rotate away, each other's segments.
     """
-    base = f"{engine}-{os.getpid()}"
     with _stems_lock:
-        stem, n = base, 0
+        n = 0
+        stem = journal_stem(engine, os.getpid())
         while (str(journal_dir), stem) in _stems_in_use:
             n += 1
-            stem = f"{base}_{n}"
+            stem = journal_stem(engine, os.getpid(), n)
         _stems_in_use.add((str(journal_dir), stem))
     return stem
-
-
-def _stem_pid(stem_pid: str) -> int | None:
-    """The pid in the ``<pid>`` or ``<pid>_<n>`` part of a journal file name."""
-    pid = stem_pid.partition("_")[0]
-    return int(pid) if pid.isdigit() else None
 
 
 def announce_unobserved(options: Options, vllm_version: str, reason: str, detail: str) -> None:
@@ -121,11 +119,12 @@ def announce_unobserved(options: Options, vllm_version: str, reason: str, detail
 
     assert options.dir is not None
     engine = options.engine or "0"
-    journal_dir = private_dir(private_dir(Path(options.dir)) / "journal")
+    journal_dir = private_dir(private_dir(Path(options.dir)) / JOURNAL_DIR)
     writer = Writer(engine, os.getpid(), os.urandom(6).hex(), fit_model_name(options.model_name or ""))
     line = encode_hello(writer, time.time(), version=__version__, vllm_version=vllm_version, history_size=0,
                         hot_path="", observing=False, reason=reason, detail=detail)
-    fd = os.open(journal_dir / f"{engine}-{os.getpid()}.000000.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    path = journal_dir / journal_name(journal_stem(engine, os.getpid()), 0)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         write_all(fd, (line + "\n").encode())
     finally:
@@ -140,8 +139,8 @@ class JournalSink(Sink):
 
     def __init__(self, directory: str | os.PathLike[str], observer: Observer, vllm_version: str = "") -> None:
         self.root = private_dir(Path(directory))
-        self.journal_dir = private_dir(self.root / "journal")
-        self.failures_dir = private_dir(self.root / "failures")
+        self.journal_dir = private_dir(self.root / JOURNAL_DIR)
+        self.failures_dir = private_dir(self.root / FAILURES_DIR)
         self.observer = observer
         self.engine = observer.options.engine or "0"
         self.segment_bytes = observer.options.journal_bytes // KEEP_SEGMENTS
@@ -316,13 +315,13 @@ class JournalSink(Sink):
             fd, self._fd = self._fd, None  # never keep a closed descriptor number (it gets reused)
             os.close(fd)
             self._seq += 1
-        path = self.journal_dir / f"{self._stem}.{self._seq:06d}.jsonl"
+        path = self.journal_dir / journal_name(self._stem, self._seq)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._segment_bytes = 0
         old = self._seq - KEEP_SEGMENTS
         if old >= 0:
             with contextlib.suppress(FileNotFoundError):
-                (self.journal_dir / f"{self._stem}.{old:06d}.jsonl").unlink()
+                (self.journal_dir / journal_name(self._stem, old)).unlink()
 
     def _prune_earlier_processes(self) -> None:
         """Delete the segments of this engine's earlier processes but the newest ``journal_processes``'.
@@ -333,11 +332,10 @@ class JournalSink(Sink):
         """
         mine = os.getpid()
         by_pid: dict[int, list[Path]] = {}
-        for path in self.journal_dir.glob("*.jsonl"):
-            engine, _, stem_pid = path.name[: -len(".jsonl")].rpartition(".")[0].rpartition("-")
-            pid = _stem_pid(stem_pid)
-            if engine == self.engine and pid is not None and pid != mine:
-                by_pid.setdefault(pid, []).append(path)
+        for path in self.journal_dir.glob("*" + JOURNAL_SUFFIX):
+            parsed = parse_stem(stem_of(path.name))
+            if parsed is not None and parsed[0] == self.engine and parsed[1] != mine:
+                by_pid.setdefault(parsed[1], []).append(path)
         if len(by_pid) <= self.keep_processes:
             return
 
@@ -355,7 +353,7 @@ class JournalSink(Sink):
                     path.unlink()
 
     def _prune_reports(self) -> None:
-        reports = sorted(self.failures_dir.glob("*.json"))
+        reports = sorted(self.failures_dir.glob("*" + REPORT_SUFFIX))
         for stale in reports[: max(0, len(reports) - self.max_reports)]:
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvobs.wire import ENGINE_LABEL, MAX_MODEL_NAME
+from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME
 
 MIN_HISTORY_SIZE = 1_024
 MAX_HISTORY_SIZE = 100_000_000

@@ -1,7 +1,7 @@
 """What survive mode counts: recomputed loads and tokens, and the alarm when they keep happening.
 
 Pure logic (no vLLM): the glue in ``kvobs/vllm/survive.py`` reports each load it turned into a
-recompute; the journal writes ``counts`` with the other totals (``kvobs.wire.TOTAL_KEYS``
+recompute; the journal writes ``counts`` with the other totals (``kvobs.wire.format.TOTAL_KEYS``
 ``"survive"``), which the sidecar exports as ``kvobs_recomputed_loads_total``,
 ``kvobs_recomputed_tokens_total`` and ``kvobs_recompute_alarms_total``.
 """

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from kvobs.files import private_dir, write_durably
 from kvobs.sidecar.state import SidecarState, load_checkpoint
-from kvobs.wire import JournalPosition, read_new_records, read_report, report_files
+from kvobs.wire.decode import JournalPosition, read_new_records, read_report, report_files
+from kvobs.wire.format import FAILURES_DIR, JOURNAL_DIR, JOURNAL_SUFFIX, stem_of
 
 logger = logging.getLogger("kvobs.sidecar")
 
@@ -30,11 +31,6 @@ CHECKPOINT_EVERY_S = 5.0
 MAX_NAMED_FILES = 1_000  # files whose skip was logged (each is logged once)
 MAX_UNREADABLE = 1_000
 """Paths kept in ``Ingest.unreadable`` at most (a directory of another uid's files stays bounded)."""
-
-
-def journal_stem(name: str) -> str:
-    """``<engine>-<pid>[_<n>]`` of ``<stem>.<seq>.jsonl``."""
-    return name[: -len(".jsonl")].rpartition(".")[0]
 
 
 def _check_listable(directory: Path) -> None:
@@ -96,10 +92,10 @@ class Ingest:
         most ``SLICE_BYTES`` (each slice with its file position, so a checkpoint never sees
         records without their position): a scrape waits for one slice, not a whole round.
         """
-        journal_dir = self.dir / "journal"
+        journal_dir = self.dir / JOURNAL_DIR
         try:
             _check_listable(journal_dir)  # glob() would hide an unreadable directory as an empty one
-            files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+            files = sorted(journal_dir.glob("*" + JOURNAL_SUFFIX)) if journal_dir.is_dir() else []
             with self.lock:
                 self.unreadable.pop(str(journal_dir), None)
         except OSError as exc:
@@ -112,7 +108,7 @@ class Ingest:
             for name in [n for n in state.positions if n not in present]:
                 del state.positions[name]  # rotated away or removed
             positions = {f.name: state.positions.get(f.name, (0, False)) for f in files}
-            state.retire_writers({journal_stem(name) for name in present})
+            state.retire_writers({stem_of(name) for name in present})
         for path in files:
             self._read_journal(path, *positions[path.name])
         with self.lock:
@@ -122,7 +118,7 @@ class Ingest:
             self.checkpoint()
 
     def _read_journal(self, path: Path, offset: int, skipping: bool) -> None:
-        stem = journal_stem(path.name)
+        stem = stem_of(path.name)
         given_up = offset < 0  # unreadable last time: tried again quietly, read from the start if it now is
         if given_up:
             offset, skipping = 0, False
@@ -163,13 +159,13 @@ class Ingest:
     def _read_reports(self) -> None:
         state = self.state
         try:
-            _check_listable(self.dir / "failures")  # report_files() would hide it as an empty directory
-            self.unreadable.pop(str(self.dir / "failures"), None)
+            _check_listable(self.dir / FAILURES_DIR)  # report_files() would hide it as an empty directory
+            self.unreadable.pop(str(self.dir / FAILURES_DIR), None)
         except OSError as exc:
-            self._unreadable(self.dir / "failures", exc)
-        paths = report_files(self.dir / "failures")
+            self._unreadable(self.dir / FAILURES_DIR, exc)
+        paths = report_files(self.dir / FAILURES_DIR)
         present = {str(path) for path in paths}
-        for name in [n for n in self.unreadable if "/failures/" in n and n not in present]:
+        for name in [n for n in self.unreadable if f"/{FAILURES_DIR}/" in n and n not in present]:
             del self.unreadable[name]  # an unreadable report that is gone (rotated out) is no longer a problem
         for path in paths:
             if path.name in state.reports_seen:

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 from kvobs import __version__
 from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
 from kvobs.sidecar.ingest import Ingest
-from kvobs.wire import Histogram
+from kvobs.wire.histogram import Histogram
 
 SKIP_SOURCES = ("journal", "report", "checkpoint")
 ENGINE_LABELS = ("model_name", "engine")

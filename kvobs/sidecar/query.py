@@ -3,7 +3,7 @@
 Why a table: each parameter used to be checked by code of its own, and one (``before``) took any
 text, so a typo or a path answered 200 with reports. Here every parameter has a rule that says
 whether it may repeat and what a value must be, the same limits the journal's writer and reader
-share (``kvobs.wire``); a value that breaks its rule is a :class:`QueryError` naming the parameter,
+share (``kvobs.wire.format``); a value that breaks its rule is a :class:`QueryError` naming the parameter,
 which the server answers with a 400. A value the API itself hands out (a ``next`` URL) always passes.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from kvobs.codes import CAUSES
-from kvobs.wire import ENGINE_LABEL, MAX_MODEL_NAME, REPORT_ID, is_model_name, is_seconds
+from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME, REPORT_ID, is_model_name, is_seconds
 
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100

@@ -49,7 +49,6 @@ import gzip
 import hmac
 import io
 import json
-import re
 import socket
 import threading
 import time
@@ -68,7 +67,8 @@ from kvobs.codes import BUCKETS
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.query import DEFAULT_FAILURES, QueryError, parse_params
-from kvobs.wire import REPORT_ID, Report, read_report, report_files
+from kvobs.wire.decode import Report, read_report, report_files
+from kvobs.wire.format import FAILURES_DIR, REPORT_ID, report_time_ms
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -92,7 +92,6 @@ MAX_PAGE_BYTES = 64 * 2**20
 """Report bytes (as on disk) one page holds at most; it always holds at least one report."""
 AGE_BOUNDS: list[float | str] = [*BUCKETS, "+Inf"]
 """The upper bounds of a ``missing_summary.ages`` histogram's ``counts``, one per count."""
-_TIMED_NAME = re.compile(r"(\d{15})-")  # a report's file name starts with its millisecond wall time
 
 
 @dataclass(frozen=True)
@@ -133,8 +132,8 @@ class FailureQuery:
         if self.before is not None and report_id >= self.before:
             return True
         if self.since is not None:
-            timed = _TIMED_NAME.match(report_id)
-            if timed and int(timed.group(1)) + 2 < self.since * 1000:
+            timed = report_time_ms(report_id)  # a report's file name starts with its millisecond wall time
+            if timed is not None and timed + 2 < self.since * 1000:
                 return True
         return False
 
@@ -352,7 +351,7 @@ class Handler(BaseHTTPRequestHandler):
             except QueryError as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
                 return
-            failures, cursor = failure_page(self.server.ingest.dir / "failures", query)
+            failures, cursor = failure_page(self.server.ingest.dir / FAILURES_DIR, query)
             next_url = None if cursor is None else query.next_url(cursor)
             self._json(HTTPStatus.OK, {"failures": failures, "next": next_url})
         elif url.path == "/":

@@ -7,7 +7,8 @@ exists, since only then can it write again; when its last file is gone its total
 engine's *retired* sum. So totals stay exact whatever the number of writers, and memory is
 bounded by the files in the directory. Histograms are aggregated here from removal runs and
 reports. The whole state, with every file's read position, is checkpointed atomically, and a
-checkpoint is validated like any other input when it is read back.
+checkpoint is validated like any other input when it is read back, by the journal decoder's own
+checks (``kvobs.wire.decode``) wherever it holds what a journal line holds (writers, hellos, counters).
 """
 
 from __future__ import annotations
@@ -21,21 +22,23 @@ from pathlib import Path
 from typing import Any
 
 from kvobs.codes import CAUSES, REASONS
-from kvobs.wire import (
+from kvobs.wire.decode import Report, decode_counters, decode_hello, decode_writer
+from kvobs.wire.format import (
     TOTAL_KEYS,
     Ages,
     Hello,
-    Histogram,
     Record,
     Removals,
-    Report,
     Totals,
+    Writer,
     is_count,
     is_hex_id,
     is_label,
     is_model_name,
     is_seconds,
+    ref_groups,
 )
+from kvobs.wire.histogram import Histogram
 
 CHECKPOINT_FORMAT = 3
 READABLE_FORMATS = (2, 3)  # format 2 knew engines by their engine label alone (model_name "")
@@ -121,8 +124,7 @@ class SidecarState:
                     if hist is None:
                         hist = state.residency[reason] = Histogram()
                     hist.observe_many(ages)
-            refs = record.keys
-            state.groups.update(str(int.from_bytes(refs[i + 8 : i + 12], "big")) for i in range(0, len(refs), 12))
+            state.groups.update(map(str, ref_groups(record.keys)))
             return
         if isinstance(record, Ages):
             hist = state.residency.get(record.reason)
@@ -215,9 +217,6 @@ class _Restore:
     def __init__(self, data: Any) -> None:
         if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
             raise ValueError("not a kvobs sidecar checkpoint of a format this sidecar reads")
-        from kvobs.wire import Writer
-
-        self._writer = Writer
         state = self.state = SidecarState()
         for name, pos in self._dict(data, "positions").items():
             if not (isinstance(pos, list) and len(pos) == 2 and is_count(pos[0]) and isinstance(pos[1], bool)):
@@ -266,13 +265,15 @@ class _Restore:
 
     @staticmethod
     def _counters(value: Any) -> dict[str, dict[str, float]]:
+        """Counters as a totals line carries them, by the journal decoder's rules (label values included)."""
         if not isinstance(value, dict) or not set(value) <= set(TOTAL_KEYS):
             raise ValueError("bad counters")
         out: dict[str, dict[str, float]] = {}
         for name, counts in value.items():
-            if not isinstance(counts, dict) or not all(is_label(k, 64) and is_count(v) for k, v in counts.items()):
+            decoded = decode_counters(name, counts)
+            if decoded is None:
                 raise ValueError(f"bad {name} counters")
-            out[name] = {k: float(v) for k, v in counts.items()}
+            out[name] = decoded
         return out
 
     @staticmethod
@@ -286,24 +287,27 @@ class _Restore:
         if not isinstance(e, dict):
             raise ValueError("bad engine state")
         for writer, w in self._dict(e, "live").items():
-            if not (isinstance(w, dict) and is_label(w.get("stem")) and is_count(w.get("pid"))
-                    and isinstance(w.get("run"), str)):
+            # The engine is the EngineState's; the pid and run are checked as a journal line's.
+            who = decode_writer("0", w.get("pid"), w.get("run") or None) if isinstance(w, dict) else None  # "": none
+            if who is None or not isinstance(w.get("run"), str) or not is_label(w.get("stem")):
                 raise ValueError("bad live writer")
             engine.live[str(writer)] = LiveWriter(w["stem"], Totals(
-                self._writer("", int(w["pid"]), w["run"]), self._seconds(w.get("t")), self._counters(w.get("counters")),
+                Writer("", who.pid, who.run), self._seconds(w.get("t")), self._counters(w.get("counters")),
                 float(self._count(w.get("hist_keys"))), self._seconds(w.get("hist_window")),
                 self._count(w.get("q", 0)),
             ))
         engine.retired = self._counters(e.get("retired"))
         hello = e.get("hello")
         if hello is not None:
-            try:
-                fields = {k: hello[k] for k in Hello._fields if k != "writer" and k in hello}
-                writer = hello["writer"]
-                model = str(writer[3]) if len(writer) > 3 else ""
-                engine.hello = Hello(self._writer(str(writer[0]), int(writer[1]), str(writer[2]), model), **fields)
-            except (KeyError, TypeError, IndexError, ValueError) as exc:
-                raise ValueError("bad hello") from exc
+            # Read with the journal decoder's rules for a hello line (a label value it refuses is refused here).
+            by = hello.get("writer") if isinstance(hello, dict) else None
+            if not isinstance(by, list) or len(by) not in (3, 4):
+                raise ValueError("bad hello")
+            hello_writer = decode_writer(by[0], by[1], None if by[2] == "" else by[2], by[3] if len(by) > 3 else "")
+            restored = None if hello_writer is None else decode_hello(hello_writer, hello.get("time"), hello)
+            if restored is None:
+                raise ValueError("bad hello")
+            engine.hello = restored
         engine.last_record_time = self._seconds(e.get("last_record_time"))
         groups = e.get("groups")
         if not isinstance(groups, list) or not all(isinstance(g, str) and g.isdigit() for g in groups):

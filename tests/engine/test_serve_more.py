@@ -67,7 +67,8 @@ def samples_of(sidecar: Sidecar, name: str) -> dict[str, float]:
 
 def journal_removal_paths(directory: Path) -> Counter[str]:
     """How many removal batches the engine journaled on each path (read as the sidecar reads them)."""
-    from kvobs.wire import JournalPosition, Removals, read_new_records
+    from kvobs.wire.decode import JournalPosition, read_new_records
+    from kvobs.wire.format import Removals
 
     paths: Counter[str] = Counter()
     for segment in sorted((directory / "journal").glob("*.jsonl")):

@@ -206,7 +206,7 @@ def test_reset_of_a_large_cpu_tier_reaches_the_residency_histogram_whole(tmp_pat
     named, every age carried), and the sidecar folds every age of it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvobs.wire import AGES_PER_LINE, KEYS_LISTED
+    from kvobs.wire.format import AGES_PER_LINE, KEYS_LISTED
 
     chunks = 100_000
     assert chunks > KEYS_LISTED + AGES_PER_LINE

@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 import kvobs
-from kvobs.wire import decode_report
+from kvobs.wire.decode import decode_report
 
 ENGINE = Path(__file__).parent / "engine_process.py"
 SPAN = "kv_offload.prepare_load"

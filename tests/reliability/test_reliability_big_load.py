@@ -18,7 +18,7 @@ import kvobs
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.server import FailureQuery, failure_page
 from kvobs.tracing import EVENT_NAME, MAX_SPAN_KEYS
-from kvobs.wire import MAX_REPORT_BYTES
+from kvobs.wire.format import MAX_REPORT_BYTES
 
 KEYS = 14_000  # ~4.8 MB of per-key report before the fix: over MAX_REPORT_BYTES, rejected as corrupt
 

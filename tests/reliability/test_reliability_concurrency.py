@@ -33,7 +33,8 @@ from vllm_env import create_manager, key, tiering_extra
 
 import kvobs
 from kvobs.journal import FLUSH_EVERY_S
-from kvobs.wire import Removals, decode_record
+from kvobs.wire.decode import decode_record
+from kvobs.wire.format import Removals
 
 RUN_S = 3.0
 DEADLOCK_TIMEOUT_S = 60.0

@@ -28,7 +28,7 @@ from kvobs.observer import Observer
 from kvobs.options import Options
 from kvobs.sidecar.ingest import CHECKPOINT, Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-from kvobs.wire import MAX_LINE_BYTES
+from kvobs.wire.format import MAX_LINE_BYTES
 
 
 def write_engine(directory: Path, engine: str, removals: int, fail: bool = False) -> Observer:

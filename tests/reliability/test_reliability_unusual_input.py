@@ -24,7 +24,7 @@ from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
-from kvobs.wire import MAX_LINE_BYTES
+from kvobs.wire.format import MAX_LINE_BYTES
 
 
 def _key(i: int) -> bytes:

@@ -75,7 +75,8 @@ def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
 
     from kvobs.codes import pack_flags
     from kvobs.recording import RemovalRun
-    from kvobs.wire import Writer, encode_removals
+    from kvobs.wire.encode import encode_removals
+    from kvobs.wire.format import Writer
 
     directory = tmp_path / "kvobs"
     (directory / "journal").mkdir(parents=True)
@@ -96,6 +97,39 @@ def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
     (removal,) = entry.removals
     assert (removal["req_id"], removal["reason"], removal["residency_s"]) == ("req-b", "capacity", 2.5)
     assert isinstance(render([entry], 0, True, "log"), str)
+
+
+def test_journal_lines_are_read_by_their_fields_not_the_order_of_their_keys(tmp_path: Path) -> None:
+    """explain reads the journal with the sidecar's decoder: a removals line whose keys come in another
+    order (``k`` last, other separators) is found as it is in kvobs's order, and a damaged one is refused
+    in either order alike (explain used to look for '"k":"removals"' in a line's first 32 bytes)."""
+    from array import array
+
+    from kvobs.codes import pack_flags
+    from kvobs.recording import RemovalRun
+    from kvobs.wire.decode import decode_line
+    from kvobs.wire.encode import encode_removals
+    from kvobs.wire.format import Writer
+
+    run = RemovalRun(0, array("q", [hash(KEY)]), array("q", [1]), array("d", [5.0]), array("B", [pack_flags(2, 0)]),
+                     ["req-c"], [KEY], array("d", [1.5]))
+    [line] = encode_removals(Writer("dp2", 7, "r"), run, 1e9)
+    good = json.loads(line)
+    reordered = dict(reversed(list(good.items())))
+    assert next(iter(reordered)) != "k" and list(reordered)[-1] == "k"
+    for damaged in (good | {"t": "soon"}, good | {"to": 1e300}, good | {"k": "removal"}, good | {"pid": -1}):
+        for record in (damaged, dict(reversed(list(damaged.items())))):
+            assert decode_line(json.dumps(record).encode()) is None
+    assert decode_line(json.dumps(reordered).encode()) == decode_line(line.encode())
+    directory = tmp_path / "kvobs"
+    (directory / "journal").mkdir(parents=True)
+    (directory / "journal" / "dp2-7.000000.jsonl").write_text(
+        json.dumps(dict(reversed(list((good | {"to": 1e300}).items())))) + "\n" + json.dumps(reordered) + "\n"
+    )
+    [entry] = _find(LINE.encode() + b"\n")
+    add_directory_evidence([entry], directory)
+    [removal] = entry.removals
+    assert (removal["req_id"], removal["reason"], removal["residency_s"]) == ("req-c", "reset", 1.5)
 
 
 def test_a_text_line_with_double_quotes_is_read_as_text() -> None:

@@ -16,7 +16,9 @@ from kvobs.options import Options, parse_options
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.state import SidecarState
-from kvobs.wire import MAX_LINE_BYTES, bounded_report, read_report
+from kvobs.wire.decode import read_report
+from kvobs.wire.encode import bounded_report
+from kvobs.wire.format import MAX_LINE_BYTES
 
 
 def _directory_bytes(directory: Path) -> int:

@@ -1,4 +1,4 @@
-"""kvobs.wire: what the engine writes is what the sidecar and `kvobs explain` read back, exactly;
+"""kvobs.wire: what the engine writes (encode) is what the sidecar and `kvobs explain` read back (decode), exactly;
 and whatever else is on disk is refused field by field, never folded."""
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ import pytest
 
 from kvobs.codes import PATHS, REASONS, pack_flags
 from kvobs.recording import RemovalRun
-from kvobs.wire import (
-    KEYS_LISTED,
-    Ages,
-    Removals,
-    Writer,
-    decode_record,
-    encode_hello,
-    encode_removals,
-    encode_totals,
-    key_ref,
-    ref_text,
-)
+from kvobs.wire.decode import decode_record
+from kvobs.wire.encode import encode_hello, encode_removals, encode_totals
+from kvobs.wire.format import KEYS_LISTED, Ages, Removals, Writer, key_ref, ref_text
 
 W = Writer('dp"0\\é', 1234, "abcdef")
 
@@ -120,8 +111,90 @@ def test_the_sidecars_modules_import_neither_numpy_nor_the_hot_path_nor_vllm() -
     probe = (
         "import sys, kvobs.sidecar.server, kvobs.explain, kvobs.cli;"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'vllm', 'torch')"
-        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal'));"
+        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal',"
+        " 'kvobs.wire.encode'));"
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+def test_the_decoder_is_stdlib_only() -> None:
+    """What the sidecar, its checkpoint and `kvobs explain` read with loads the standard library and the
+    format alone; the package itself loads none of its modules."""
+    probe = (
+        "import sys; before = set(sys.modules); import kvobs.wire;"
+        "pkg = sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'kvobs');"
+        "import kvobs.wire.decode;"
+        "new = set(sys.modules) - before;"
+        "print(','.join(pkg)); print(','.join(sorted(m for m in new if m.split('.')[0] != 'kvobs'"
+        " and m.split('.')[0] not in sys.stdlib_module_names))); print(','.join(sorted(m for m in new"
+        " if m.split('.')[0] == 'kvobs')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    package, third_party, kvobs_modules = out.stdout.splitlines()
+    assert package == "kvobs,kvobs.wire"
+    assert third_party == ""
+    assert kvobs_modules == "kvobs,kvobs.codes,kvobs.wire,kvobs.wire.decode,kvobs.wire.format,kvobs.wire.histogram"
+
+def _checkpoint_and_lines() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A sidecar checkpoint folded from one totals and one hello line, and those two lines."""
+    from kvobs.sidecar.state import SidecarState
+
+    totals = json.loads(encode_totals(W, 2.0, {"failures": {"unknown": 2}, "evicted": {"reset": 1}},
+                                      history_keys=3, history_window_s=0.5, seq=1))
+    hello = json.loads(encode_hello(W, 1.0, version="1", vllm_version="0.33.0", history_size=10, hot_path="python"))
+    state = SidecarState()
+    for line in (hello, totals):
+        state.apply(decode_record(line), "x-1234")
+    saved = json.loads(json.dumps(state.to_json()))
+    assert SidecarState.from_json(saved).to_json() | {"saved_at": 0} == saved | {"saved_at": 0}
+    return saved, totals, hello
+
+
+@pytest.mark.parametrize("label", ["nope", "", "x" * 65])
+def test_the_checkpoint_refuses_a_counter_label_the_journal_decoder_refuses(label: str) -> None:
+    """The checkpoint reader counts with the journal decoder's checks (it took any label before)."""
+    from kvobs.sidecar.state import SidecarState
+
+    saved, totals, _ = _checkpoint_and_lines()
+    assert decode_record(totals | {"failures": {label: 1}}) is None
+    [engine] = saved["engines"]
+    [live] = engine["live"].values()
+    live["counters"]["failures"] = {label: 1}
+    with pytest.raises(ValueError, match="failures counters"):
+        SidecarState.from_json(saved)
+    engine["retired"] = {"failures": {label: 1}}
+    del engine["live"]["1234/abcdef"]
+    with pytest.raises(ValueError, match="failures counters"):
+        SidecarState.from_json(saved)
+
+
+@pytest.mark.parametrize(("field", "value"), [("reason", "bogus"), ("observing", "yes"), ("history_size", -1),
+                                              ("version", 3)])
+def test_the_checkpoint_refuses_a_hello_the_journal_decoder_refuses(field: str, value: Any) -> None:
+    """A hello's label values (``kvobs_observing{reason}``, ``kvobs_build_info``) are checked alike."""
+    from kvobs.sidecar.state import SidecarState
+
+    saved, _, hello = _checkpoint_and_lines()
+    assert decode_record(hello | {field: value}) is None
+    [engine] = saved["engines"]
+    engine["hello"][field] = value
+    with pytest.raises(ValueError, match="bad hello"):
+        SidecarState.from_json(saved)
+
+
+def test_the_checkpoint_refuses_a_writer_the_journal_decoder_refuses() -> None:
+    from kvobs.sidecar.state import SidecarState
+
+    saved, totals, _ = _checkpoint_and_lines()
+    assert decode_record(totals | {"run": "r" * 65}) is None
+    [engine] = saved["engines"]
+    [live] = engine["live"].values()
+    live["run"] = "r" * 65
+    with pytest.raises(ValueError, match="bad live writer"):
+        SidecarState.from_json(saved)
+    saved, _, _ = _checkpoint_and_lines()
+    saved["engines"][0]["hello"]["writer"][1] = -1
+    with pytest.raises(ValueError, match="bad hello"):
+        SidecarState.from_json(saved)

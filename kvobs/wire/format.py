@@ -1,0 +1,350 @@
+"""The engine -> sidecar wire format, defined once: record kinds and their fields, versions, limits,
+the checks every field read back passes, key refs and file names (built and parsed).
+
+Journal: JSON lines, one record a line (a partial last line is left for later, so a crash
+mid-append loses nothing already complete), in ``<dir>/journal/<stem>.<seq>.jsonl`` where the stem
+is ``<engine>-<pid>`` (``<engine>-<pid>_<n>`` for the n-th other writer of the engine in one
+process). Kinds (the ``k`` field; the order of a line's keys carries no meaning):
+
+* ``hello``: a writer started (versions, options, which hot path runs, whether it observes);
+* ``totals``: cumulative counters of one writer (``pid`` + ``run``), so a reader is exact
+  even when other records were dropped, and never double counts;
+* ``removals``: a run of removal batches as little-endian binary columns in base64 (batch
+  times, flags, key counts, the requests as a JSON list, and per listed key an 8-byte hash
+  prefix, its 4-byte group and its residency as float32, NaN where unknown); at most
+  ``KEYS_LISTED`` keys are listed per batch, and ``ages`` lines carry the rest of a huge
+  batch's residencies;
+* ``near_miss`` and ``failure``: notes for the sidecar's log and tests.
+
+Failure reports: one JSON file each in ``<dir>/failures/``, named by :func:`report_name`.
+
+Writers: :mod:`kvobs.wire.encode`; readers: :mod:`kvobs.wire.decode`. Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+FORMAT_VERSION = 2
+MAX_LINE_BYTES = 8 * 2**20
+"""Far above any line kvobs writes: a longer one is skipped as corrupt, not waited on."""
+MAX_REPORT_BYTES = 4 * 2**20
+MAX_REPORT_KEYS = 1_000
+"""Keys a failure report details (~350 bytes each); its ``missing_summary`` counts every key."""
+KEYS_LISTED = 4_096
+"""Keys a removals line names per batch (for ``kvobs explain``); the rest are counted."""
+AGES_PER_LINE = 65_536
+KEY_REF_BYTES = 12
+"""A listed key: the first 8 bytes of its block hash and its 4-byte group."""
+MAX_BATCHES_PER_LINE = 65_536
+MAX_COUNT = 2**53
+"""The largest count a record may carry (a float64 holds integers exactly up to here)."""
+MAX_SECONDS = 1e10
+"""A time or age beyond this (about 317 years) is not one kvobs wrote."""
+
+# -- the text limits writer and reader share (one definition each; the writer fits to them) --
+
+MAX_LABEL = 256
+"""An ``engine`` label or another short text field (kvobs's own engine labels are 1-64 characters)."""
+MAX_MODEL_NAME = 4096
+"""A ``model_name`` label: PATH_MAX, so any model path vLLM takes as its served name fits whole and
+kvobs's label still joins vLLM's (the ``model_name`` option has the same limit, kvobs.options)."""
+MAX_REQ_ID = 4096
+"""A request id in a removals line or a report: clients choose them, so longer ones are fitted."""
+MAX_DETAIL = 500
+"""Why an engine runs unobserved (a ``hello``'s ``detail``)."""
+ENGINE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+"""An ``engine`` label kvobs writes (the option is checked against it): it names the engine's journal
+files and reports, so it must be a safe file name."""
+REPORT_ID = re.compile(rf"\d{{15}}-(?:{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
+"""A failure report's id, the stem of its file name (:func:`report_name`); ids sort by time."""
+
+JOURNAL_DIR = "journal"
+FAILURES_DIR = "failures"
+JOURNAL_SUFFIX = ".jsonl"
+REPORT_SUFFIX = ".json"
+
+KINDS = ("hello", "totals", "removals", "ages", "near_miss", "failure")
+"""The journal's record kinds (a line's ``k``)."""
+NOTE_KINDS = ("near_miss", "failure")
+HEAD_FIELDS = ("k", "e", "pid", "run", "m")
+"""The fields every journal line starts with: kind, engine label, pid, writer run, model_name (if known)."""
+TOTAL_KEYS = ("evicted", "batches", "near", "failures", "errors", "dropped", "survive")
+TOTAL_LABELS: dict[str, Sequence[str] | None] = {
+    "evicted": REASONS, "batches": REASONS, "near": REASONS, "failures": CAUSES, "errors": STAGES,
+    "dropped": DROP_STAGES, "survive": SURVIVE_COUNTS,
+}
+
+
+OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
+"""The ``reason`` label of ``kvobs_observing``: observing, or why kvobs stepped aside."""
+
+
+
+# -- file names, built and parsed ------------------------------------------------------------
+
+
+def report_name(wall_time: float, engine: str, pid: int, n: int) -> str:
+    """The file name of a failure report: its millisecond wall time first, so names sort by time."""
+    return f"{int(wall_time * 1000):015d}-{engine}-{pid}-{n}.json"
+
+
+
+_TIMED_NAME = re.compile(r"(\d{15})-")
+
+
+def report_time_ms(report_id: str) -> int | None:
+    """The millisecond wall time a report's id (its file name's stem) starts with, None if it has none."""
+    timed = _TIMED_NAME.match(report_id)
+    return int(timed.group(1)) if timed else None
+
+
+def journal_stem(engine: str, pid: int, n: int = 0) -> str:
+    """The stem of a writer's journal files: ``<engine>-<pid>``, ``<engine>-<pid>_<n>`` for the n-th
+    other writer of the same engine in the same process and directory."""
+    return f"{engine}-{pid}" if n == 0 else f"{engine}-{pid}_{n}"
+
+
+def journal_name(stem: str, seq: int) -> str:
+    """The file name of a writer's ``seq``-th journal segment."""
+    return f"{stem}.{seq:06d}{JOURNAL_SUFFIX}"
+
+
+def stem_of(name: str) -> str:
+    """``<engine>-<pid>[_<n>]`` of ``<stem>.<seq>.jsonl``."""
+    return name[: -len(JOURNAL_SUFFIX)].rpartition(".")[0]
+
+
+def parse_stem(stem: str) -> tuple[str, int] | None:
+    """(engine, pid) of a journal file stem, None if its pid part is not ``<pid>`` or ``<pid>_<n>``."""
+    engine, _, stem_pid = stem.rpartition("-")
+    pid = stem_pid.partition("_")[0]
+    return (engine, int(pid)) if pid.isdigit() else None
+
+
+# -- key refs ---------------------------------------------------------------------------------
+
+
+def key_ref_bytes(key: bytes) -> bytes:
+    """A key as listed in removals lines: 8 bytes of block hash (zero-padded), 4 bytes of group."""
+    return key[:-4][:8].ljust(8, b"\0") + key[-4:].rjust(4, b"\0")
+
+
+def key_ref(key: bytes) -> str:
+    """A key as reports and ``kvobs explain`` name it: its 8-byte hash prefix in hex, then its group."""
+    return ref_text(key_ref_bytes(key))
+
+
+def ref_text(ref: bytes) -> str:
+    """A listed key (``KEY_REF_BYTES``) as text: ``<16 hex digits>/<group>``."""
+    return f"{ref[:8].hex()}/{int.from_bytes(ref[8:], 'big')}"
+
+
+
+def ref_group(ref: bytes) -> int:
+    """The KV-cache group of a listed key (its last 4 bytes)."""
+    return int.from_bytes(ref[8:KEY_REF_BYTES], "big")
+
+
+def ref_groups(refs: bytes) -> Iterator[int]:
+    """The group of each listed key in a removals line's ``keys`` column."""
+    return (int.from_bytes(refs[i + 8 : i + KEY_REF_BYTES], "big") for i in range(0, len(refs), KEY_REF_BYTES))
+
+
+def ref_from_text(ref: str) -> bytes | None:
+    """:func:`ref_text` back to the bytes a removals line lists (None if it is not one)."""
+    prefix, _, group = ref.partition("/")
+    try:
+        raw = bytes.fromhex(prefix)
+        return raw + int(group).to_bytes(4, "big") if len(raw) == 8 else None
+    except (ValueError, OverflowError):
+        return None
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+def is_number(value: Any, low: float, high: float, *, integer: bool = False) -> TypeIs[int | float]:
+    """The one check every number read from disk or a request passes before any arithmetic.
+
+    Never raises: JSON integers are unbounded, and ``math.isfinite`` or ``float()`` of one no
+    float holds raises ``OverflowError``; comparing an ``int`` with a float bound is exact and
+    cannot overflow, so the range is checked before anything converts the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, float) and (value != value or (integer and not value.is_integer())):
+        return False  # NaN, or a float that is not a whole number where one is needed
+    return low <= value <= high  # also refuses ±inf
+
+
+def is_count(value: Any) -> TypeIs[int | float]:
+    """A non-negative integer (JSON may write it as 3 or 3.0) within float64's exact range."""
+    return is_number(value, 0, MAX_COUNT, integer=True)
+
+
+def is_seconds(value: Any, *, signed: bool = False) -> TypeIs[int | float]:
+    """A finite number of seconds within ``MAX_SECONDS`` (non-negative unless ``signed``)."""
+    return is_number(value, -MAX_SECONDS if signed else 0.0, MAX_SECONDS)
+
+
+def is_label(value: Any, max_len: int = MAX_LABEL) -> TypeIs[str]:
+    return isinstance(value, str) and 0 < len(value) <= max_len
+
+
+def is_model_name(value: Any) -> TypeIs[str]:
+    """A ``model_name`` label value as kvobs writes it ("" when not known)."""
+    return isinstance(value, str) and len(value) <= MAX_MODEL_NAME and value.isprintable()
+
+
+_fitted: set[str] = set()  # the fields whose fitting was logged (once each)
+
+
+def fit_text(value: str, limit: int, what: str, *, printable: bool = False) -> str:
+    """``value`` as a writer may write it: unchanged when its reader takes it, else fitted.
+
+    Fitted: (where ``printable`` is asked) characters that are not become ``?``, and a text over ``limit`` keeps its
+    first characters and ends with ``~`` and 16 hex digits of its sha256, so two long values
+    stay apart. Said once per ``what`` in the log. Readers fit what an older writer wrote the
+    same way, so a value is never why a record is refused.
+    """
+    if len(value) <= limit and (not printable or value.isprintable()):
+        return value
+    fitted = "".join(c if c.isprintable() else "?" for c in value) if printable else value
+    if len(fitted) > limit:
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        fitted = fitted[: max(0, limit - 17)] + "~" + digest
+    if what not in _fitted:
+        _fitted.add(what)
+        logging.getLogger("kvobs").warning(
+            "kvobs: a %s of %d characters does not fit the journal's limit (%d characters%s); "
+            "written as %r (cut, with a hash of the whole; said once)", what, len(value), limit,
+            ", printable" if printable else "", fitted[:80])
+    return fitted
+
+
+def fit_model_name(value: str) -> str:
+    """The ``model_name`` label as journals and reports carry it (:func:`fit_text`)."""
+    return fit_text(value, MAX_MODEL_NAME, "model_name", printable=True)
+
+
+def fit_req_id(value: str | None) -> str | None:
+    """A request id as removals lines and reports carry it (:func:`fit_text`)."""
+    return value if value is None else fit_text(value, MAX_REQ_ID, "request id")
+
+
+def counter_map(value: Any, labels: Sequence[str] | None = None) -> dict[str, float] | None:
+    """A ``{label: count}`` map of a totals record (labels of at most 64 characters, within ``labels``
+    when given), or None if any entry does not fit."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, float] = {}
+    for label, count in value.items():
+        if not is_label(label, 64) or not is_count(count) or (labels is not None and label not in labels):
+            return None
+        out[label] = float(count)
+    return out
+
+
+def is_hex_id(value: Any, digits: int) -> TypeIs[str]:
+    """A W3C trace (32 digits) or span (16 digits) id as kvobs writes it: lowercase hex, not all zero."""
+    return (isinstance(value, str) and len(value) == digits and value.strip("0123456789abcdef") == ""
+            and value.strip("0") != "")
+
+
+# -- journal records, as read back ------------------------------------------------------------
+
+
+class Writer(NamedTuple):
+    """Who wrote a journal record: the engine label, the process, the writer's run id, and the
+    served model (the ``model_name`` label; "" when not known)."""
+
+    engine: str
+    pid: int
+    run: str
+    model_name: str = ""
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """(model_name, engine): the labels every series of this engine carries, as vLLM's do."""
+        return self.model_name, self.engine
+
+
+class Hello(NamedTuple):
+    writer: Writer
+    time: float
+    version: str
+    vllm_version: str
+    history_size: int
+    hot_path: str
+    observing: bool
+    reason: str  # why not, when not observing (kvobs.wire.OBSERVING_REASONS)
+    detail: str = ""
+
+
+class Totals(NamedTuple):
+    writer: Writer
+    time: float
+    counters: dict[str, dict[str, float]]  # by TOTAL_KEYS: evicted, batches, near, failures, errors, dropped, survive
+    history_keys: float
+    history_window_s: float
+    seq: int = 0
+    """The writer's sequence number of this totals line (0 from writers before it had one): a reader
+    keeps the highest, so a line read late (another file, a backlog) never replaces a newer one."""
+
+    def newer_than(self, other: Totals) -> bool:
+        """Whether these totals were written after ``other`` (same writer): by sequence, then time."""
+        return (self.seq, self.time) >= (other.seq, other.time)
+
+
+class Removals(NamedTuple):
+    """A run of removal batches (``times`` are wall-clock seconds)."""
+
+    writer: Writer
+    first_serial: int
+    times: list[float]
+    reasons: list[str]
+    paths: list[str]
+    counts: list[int]
+    reqs: list[str | None]
+    listed: list[int]
+    keys: bytes  # KEY_REF_BYTES per listed key
+    ages: list[float]  # per listed key; NaN where unknown
+
+    def batches(self) -> Iterator[tuple[int, float, str, str, str | None, int, list[bytes], list[float]]]:
+        """(serial, time, reason, path, req_id, keys removed, listed key refs, their ages) per batch."""
+        at = 0
+        for i, listed in enumerate(self.listed):
+            refs = [self.keys[(at + j) * KEY_REF_BYTES : (at + j + 1) * KEY_REF_BYTES] for j in range(listed)]
+            yield (self.first_serial + i, self.times[i], self.reasons[i], self.paths[i], self.reqs[i],
+                   self.counts[i], refs, self.ages[at : at + listed])
+            at += listed
+
+
+class Ages(NamedTuple):
+    """More residencies of a batch too large to list whole."""
+
+    writer: Writer
+    reason: str
+    ages: list[float]
+
+
+class Note(NamedTuple):
+    """A near miss or a failure, as the journal notes it (the counters travel in totals)."""
+
+    writer: Writer
+    kind: str
+    time: float
+    fields: dict[str, Any]
+
+
+Record = Hello | Totals | Removals | Ages | Note
