@@ -18,7 +18,7 @@ else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: ``kvobs.versio
   ``prepare_load(keys, req_context)``, ``prepare_store(keys, req_context)``,
   ``complete_store(keys, req_context, success=True)``, ``on_request_finished(req_context, *,
   exclude_tier_idx)`` (tiering only has ``exclude_tier_idx``), ``on_schedule_end(context)``,
-  ``reset_cache()``.
+  ``reset_cache()`` (every method, how kvobs forwards it and these shapes: :data:`PROTOCOL`).
 
 Release differences kvobs meets (each checked by feature, below):
 
@@ -57,7 +57,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
@@ -106,17 +106,59 @@ POLICY_TABLES = ("chunks", "t1", "t2")
 """Where the built-in policies keep resident chunks (LRU: ``chunks``; ARC: ``t1``, ``t2``)."""
 POLICY_METHODS = ("evict", "remove", "clear", "insert", "get")
 
-# The call shapes kvobs's taps forward (kvobs/_recording.py): (method, positional arguments, keywords
-# only some managers take). check() binds them to the live manager's methods.
-TAPPED_CALLS: tuple[tuple[str, tuple[Any, ...], tuple[str, ...]], ...] = (
-    ("lookup", (b"", None), ("exclude_tier_idx",)),
-    ("prepare_load", ((), None), ()),
-    ("prepare_store", ((), None), ()),
-    ("complete_store", ((), None, True), ()),
-    ("on_request_finished", (None,), ("exclude_tier_idx",)),
-    ("on_schedule_end", (None,), ()),
-    ("reset_cache", (), ()),
+class Method(NamedTuple):
+    """One row of :data:`PROTOCOL`: an ``OffloadingManager`` method and how kvobs forwards it."""
+
+    name: str
+    tap: str
+    """How kvobs forwards it (:data:`TAP_KINDS`): ``pass`` (the inner manager's own bound method:
+    nothing to record), ``lookup``, ``load``, ``keys``, ``request``, ``call`` (kvobs's taps of
+    ``kvobs.recording``, of those names), ``shutdown`` (the wrapper's own: also closes the observer)."""
+    path: str | None
+    """The removal path (``kvobs.codes.PATHS``) a tapped call marks removals under; None: not tapped."""
+    args: tuple[Any, ...] | None
+    """The positional arguments kvobs's tap forwards (:func:`check` binds them to the live method); ``()``
+    also makes the wrapper's class method take no arguments. None: passed through as called."""
+    keywords: tuple[str, ...] = ()
+    """Keywords only some managers take (forwarded when given)."""
+    everywhere: bool = True
+    """In every supported release: the wrapper's class has it (a method kvobs's taps answer through
+    the class too). False: only some releases have it (``get_load_source``: 0.32 and later;
+    ``on_reset_flushed``, ``config_info``: 0.33), an instance attribute only, set when the inner
+    manager has it, so the wrapper has exactly the inner manager's methods."""
+
+
+TAP_KINDS = ("pass", "lookup", "load", "keys", "request", "call", "shutdown")
+
+PROTOCOL: tuple[Method, ...] = (
+    Method("lookup", "lookup", "lookup", (b"", None), ("exclude_tier_idx",)),
+    Method("get_load_source", "pass", None, None, everywhere=False),
+    Method("prepare_load", "load", None, ((), None)),
+    Method("touch", "pass", None, None),
+    Method("complete_load", "pass", None, None),
+    Method("prepare_store", "keys", "store", ((), None)),
+    Method("complete_store", "keys", "complete_store", ((), None, True)),
+    Method("on_new_request", "pass", None, None),
+    Method("on_request_finished", "request", "schedule_end", (None,), ("exclude_tier_idx",)),
+    Method("take_events", "pass", None, ()),
+    Method("on_schedule_end", "call", "schedule_end", (None,)),
+    Method("has_pending_work", "pass", None, ()),
+    Method("reset_cache", "call", "reset", ()),
+    Method("on_reset_flushed", "pass", None, None, everywhere=False),
+    Method("get_stats", "pass", None, ()),  # kvobs's counters added with the vllm_metrics option
+    Method("config_info", "pass", None, None, everywhere=False),
+    Method("shutdown", "shutdown", None, None),
 )
+"""Every ``OffloadingManager`` method of 0.30-0.33 (``lock``, a property of 0.33, aside), in vLLM's
+order: the one place kvobs writes the manager protocol down. ``kvobs.vllm.manager`` builds the
+wrapper's taps and class methods from it; :func:`check` checks it against vLLM's abstract methods and
+binds the tapped call shapes. A method vLLM adds is one row here."""
+PROTOCOL_BY_NAME: dict[str, Method] = {row.name: row for row in PROTOCOL}
+
+
+def unknown_abstract_methods(cls: type[Any] = OffloadingManager) -> list[str]:
+    """The abstract methods of vLLM's ``OffloadingManager`` (or ``cls``) that :data:`PROTOCOL` has no row for."""
+    return sorted(name for name in getattr(cls, "__abstractmethods__", ()) if name not in PROTOCOL_BY_NAME)
 
 
 class ProtocolMismatch(Exception):
@@ -172,7 +214,14 @@ def check(manager: OffloadingManager) -> None:
     """Raise ProtocolMismatch unless kvobs knows everything it reads of ``manager``."""
     if CPUOffloadingManager is None:
         raise ProtocolMismatch(f"vLLM {VLLM_VERSION} has no vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager")
-    for name, args, _ in TAPPED_CALLS:
+    unknown = unknown_abstract_methods()
+    if unknown:
+        raise ProtocolMismatch(f"vLLM {VLLM_VERSION}'s OffloadingManager has abstract methods kvobs does not "
+                               f"know: {', '.join(unknown)}")
+    for row in PROTOCOL:
+        name, args = row.name, row.args
+        if row.tap in ("pass", "shutdown") or args is None:
+            continue  # forwarded as called: nothing of its shape is kvobs's
         method = getattr(manager, name, None)
         if not callable(method):
             raise ProtocolMismatch(f"{type(manager).__name__} has no {name}()")

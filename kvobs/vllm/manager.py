@@ -23,9 +23,10 @@ AssertionError, the same object, with the explanation appended.
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -41,42 +42,68 @@ from kvobs.vllm.evidence import observer_for
 from kvobs.vllm.survive import Survival
 from kvobs.vllm.trace_context import TraceHeaders
 
-PASS_THROUGH = (
-    "get_load_source",
-    "touch",
-    "complete_load",
-    "on_new_request",
-    "take_events",
-    "has_pending_work",
-    "on_reset_flushed",
-    "get_stats",
-    "config_info",
-)
-"""Methods forwarded as the inner manager's own bound methods (nothing to record); ``get_stats``
-also adds kvobs's counters when the ``vllm_metrics`` option is on (kvobs/vllm/vllm_metrics.py)."""
-
 
 def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..., None]) -> dict[str, Any]:
-    """kvobs's entry point for every manager method the inner manager has."""
+    """kvobs's entry point for every manager method the inner manager has, as ``compat.PROTOCOL``
+    says (``shutdown`` aside: the wrapper's class method, which also closes the observer). Pass-through
+    methods are the inner manager's own bound methods; ``get_stats`` also adds kvobs's counters when
+    the ``vllm_metrics`` option is on (kvobs/vllm/vllm_metrics.py)."""
     rec = observer.recorder
-    taps: dict[str, Any] = {name: getattr(inner, name) for name in PASS_THROUGH if hasattr(inner, name)}
+    taps: dict[str, Any] = {}
+    for row in compat.PROTOCOL:
+        name, kind = row.name, row.tap
+        if kind == "shutdown" or not hasattr(inner, name):
+            continue  # a method only some releases have: the wrapper has it where the inner manager does
+        method = getattr(inner, name)
+        path = -1 if row.path is None else PATH_CODE[row.path]
+        if kind == "pass":
+            taps[name] = method
+        elif kind == "lookup":
+            taps[name] = rec.lookup_tap(method, path=path, hit=compat.HIT, hit_pending=compat.HIT_PENDING,
+                                        marks_frame=compat.lookup_can_remove(inner))
+        elif kind == "load":
+            taps[name] = rec.load_tap(method, on_failure=load_failed, on_near=observer.near_missed)
+        elif kind == "keys":
+            taps[name] = rec.keys_tap(method, path=path)
+        elif kind == "request":
+            taps[name] = rec.request_tap(method, path=path)
+        elif kind == "call":
+            taps[name] = rec.call_tap(method, path=path)
+        else:
+            raise compat.ProtocolMismatch(f"compat.PROTOCOL: {name} has an unknown tap kind {kind!r}")
     api = vllm_metrics.stats_api(observer.options)  # None unless the vllm_metrics option is on
     if api is not None and "get_stats" in taps:
         taps["get_stats"] = vllm_metrics.StatsTap(inner.get_stats, observer, api[1])
-    taps["lookup"] = rec.lookup_tap(
-        inner.lookup, path=PATH_CODE["lookup"], hit=compat.HIT, hit_pending=compat.HIT_PENDING,
-        marks_frame=compat.lookup_can_remove(inner),
-    )
-    taps["prepare_load"] = rec.load_tap(inner.prepare_load, on_failure=load_failed, on_near=observer.near_missed)
-    taps["prepare_store"] = rec.keys_tap(inner.prepare_store, path=PATH_CODE["store"])
-    taps["complete_store"] = rec.keys_tap(inner.complete_store, path=PATH_CODE["complete_store"])
-    taps["on_request_finished"] = rec.request_tap(inner.on_request_finished, path=PATH_CODE["schedule_end"])
-    taps["on_schedule_end"] = rec.call_tap(inner.on_schedule_end, path=PATH_CODE["schedule_end"])
-    taps["reset_cache"] = rec.call_tap(inner.reset_cache, path=PATH_CODE["reset"])
-    taps["shutdown"] = inner.shutdown  # the class's shutdown() also closes the observer
     return taps
 
 
+def _class_method(name: str, takes_arguments: bool) -> Callable[..., Any]:
+    """The wrapper's class method ``name``: what its tap answers (for a call through the class;
+    an instance's attribute of the same name shadows it)."""
+    def forwarding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._kvobs_taps[name](*args, **kwargs)
+
+    def without_arguments(self: Any) -> Any:
+        return self._kvobs_taps[name]()
+
+    method = forwarding if takes_arguments else without_arguments
+    method.__name__ = name
+    method.__qualname__ = f"ObservedOffloadingManager.{name}"
+    method.__doc__ = f"The inner manager's ``{name}``, through kvobs's tap (``compat.PROTOCOL``)."
+    return method
+
+
+def _protocol_methods(cls: type[ObservedOffloadingManager]) -> type[ObservedOffloadingManager]:
+    """Give the wrapper's class a method for every ``compat.PROTOCOL`` row every release has (its own
+    ``shutdown`` aside), and recompute what it leaves abstract (none, ``compat.check`` makes sure)."""
+    for row in compat.PROTOCOL:
+        if row.everywhere and row.tap != "shutdown":
+            setattr(cls, row.name, _class_method(row.name, row.args != () or bool(row.keywords)))
+    abc.update_abstractmethods(cls)
+    return cls
+
+
+@_protocol_methods
 class ObservedOffloadingManager(OffloadingManager):
     """Wraps ``inner``; same results, same exceptions, same events, plus evidence (see the module)."""
 
@@ -86,7 +113,6 @@ class ObservedOffloadingManager(OffloadingManager):
         put(self, "_kvobs_observer", observer)
         put(self, "_kvobs_cpu", compat.cpu_tier_of(inner))
         taps = _taps(inner, observer, self._kvobs_load_failed)
-        taps.pop("shutdown")
         # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
         survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
         put(self, "_kvobs_survival", survival)
@@ -118,7 +144,7 @@ class ObservedOffloadingManager(OffloadingManager):
             object.__setattr__(self, name, tap)
 
     def __copy__(self) -> ObservedOffloadingManager:
-        twin = ObservedOffloadingManager(copy.copy(self._kvobs_inner), self._kvobs_observer)
+        twin = ObservedOffloadingManager._kvobs_wrap(copy.copy(self._kvobs_inner), self._kvobs_observer)
         for name, value in self.__dict__.items():
             if name in self._kvobs_taps and value is not self._kvobs_taps[name]:
                 object.__setattr__(twin, name, value)  # what the caller assigned is copied, as on the bare manager
@@ -135,7 +161,13 @@ class ObservedOffloadingManager(OffloadingManager):
     def _kvobs_observed(cls, inner: OffloadingManager, options: Options) -> ObservedOffloadingManager:
         """A copy's ``inner`` (an unobserved manager: a copied policy gets its plain methods back),
         freshly observed."""
-        return cls(inner, observer_for(inner, options))
+        return cls._kvobs_wrap(inner, observer_for(inner, options))
+
+    @classmethod
+    def _kvobs_wrap(cls, inner: OffloadingManager, observer: Observer) -> ObservedOffloadingManager:
+        """``cls(inner, observer)``; for the type checker, which cannot see the class methods
+        ``@_protocol_methods`` sets, the one place it is instantiated."""
+        return cls(inner, observer)
 
     def _kvobs_copy_options(self) -> Any:
         return dataclasses.replace(self._kvobs_observer.options, dir=None)
@@ -160,55 +192,14 @@ class ObservedOffloadingManager(OffloadingManager):
         """The hooked cache policy of the CPU tier (None for a manager kvobs cannot hook)."""
         return None if self._kvobs_cpu is None else compat.policy_of(self._kvobs_cpu)
 
-    # -- OffloadingManager, called through the class: kvobs's own taps ------------
-    # (Methods only some releases have — get_load_source, on_reset_flushed, config_info — are
-    # instance attributes only, set when the inner manager has them: the wrapper has exactly the
-    # inner manager's methods.)
+    # -- OffloadingManager, called through the class ---------------------------------
+    # Every method of compat.PROTOCOL that every release has is a class method too, answered by its
+    # tap (set by @_protocol_methods). Methods only some releases have (get_load_source,
+    # on_reset_flushed, config_info) are instance attributes only, set when the inner manager has
+    # them: the wrapper has exactly the inner manager's methods.
 
     # The inner manager's lock, read without a Python frame (vLLM takes it every step).
     lock = property(attrgetter("_kvobs_inner.lock"), doc="The inner manager's lock (never entered by kvobs).")
-
-    def lookup(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["lookup"](*args, **kwargs)
-
-
-    def prepare_load(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["prepare_load"](*args, **kwargs)
-
-    def touch(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["touch"](*args, **kwargs)
-
-    def complete_load(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["complete_load"](*args, **kwargs)
-
-    def prepare_store(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["prepare_store"](*args, **kwargs)
-
-    def complete_store(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["complete_store"](*args, **kwargs)
-
-    def on_new_request(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["on_new_request"](*args, **kwargs)
-
-    def on_request_finished(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["on_request_finished"](*args, **kwargs)
-
-    def take_events(self) -> Iterable[Any]:
-        return self._kvobs_taps["take_events"]()
-
-    def on_schedule_end(self, *args: Any, **kwargs: Any) -> Any:
-        return self._kvobs_taps["on_schedule_end"](*args, **kwargs)
-
-    def has_pending_work(self) -> Any:
-        return self._kvobs_taps["has_pending_work"]()
-
-    def reset_cache(self) -> Any:
-        return self._kvobs_taps["reset_cache"]()
-
-
-    def get_stats(self) -> Any:
-        return self._kvobs_taps["get_stats"]()
-
 
     def shutdown(self) -> None:
         try:
@@ -226,9 +217,7 @@ class ObservedOffloadingManager(OffloadingManager):
         observer = self._kvobs_observer
         try:
             keys = list(keys)
-            recorder = observer.recorder
-            observer.near_missed(req_context.req_id, observer.promises.redeemed(
-                req_context.req_id, keys, recorder.recent, recorder.next_serial))
+            observer.redeem_failed_load(req_context.req_id, keys)
         except Exception as fault:
             observer.internal_error("record.load", fault)
         try:

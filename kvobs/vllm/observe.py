@@ -28,4 +28,4 @@ def observe_with_options(manager: OffloadingManager, options: Options) -> Observ
         raise TypeError(f"kvobs.observe() needs a vLLM OffloadingManager, got {type(manager).__name__}")
     if isinstance(manager, ObservedOffloadingManager) or compat.is_hooked(manager):
         raise ValueError("this manager is already observed by kvobs")
-    return ObservedOffloadingManager(manager, observer_for(manager, options))
+    return ObservedOffloadingManager._kvobs_wrap(manager, observer_for(manager, options))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import random
 from typing import Any
 
@@ -195,3 +196,54 @@ def test_copying_a_tiering_manager_fails_as_the_bare_one_does() -> None:
     finally:
         bare.shutdown()
         m.shutdown()
+
+
+def test_every_method_of_vllms_manager_has_a_row_in_the_protocol_table() -> None:
+    """compat.PROTOCOL is the one place the manager protocol is written: every abstract method of this
+    release's OffloadingManager has a row (compat.check() refuses a release where one has not), and so
+    does every other method (one the table lacks would reach the base class's default on the wrapper,
+    not the inner manager's)."""
+    from vllm.v1.kv_offload.base import OffloadingManager
+
+    from kvobs.vllm import ObservedOffloadingManager
+
+    abstract = OffloadingManager.__abstractmethods__
+    assert abstract and compat.unknown_abstract_methods() == []
+    assert set(abstract) <= set(compat.PROTOCOL_BY_NAME)
+    methods = {name for name, value in vars(OffloadingManager).items()
+               if not name.startswith("_") and callable(value)}
+    assert methods <= set(compat.PROTOCOL_BY_NAME), methods - set(compat.PROTOCOL_BY_NAME)
+    assert all(row.tap in compat.TAP_KINDS for row in compat.PROTOCOL)
+    # The wrapper's class is concrete, and has exactly the rows every release has (lock: a property).
+    assert not ObservedOffloadingManager.__abstractmethods__
+    for row in compat.PROTOCOL:
+        own = vars(ObservedOffloadingManager).get(row.name)
+        assert callable(own) == row.everywhere, row.name
+
+    class NewAbstract(OffloadingManager):
+        @abc.abstractmethod
+        def a_method_of_a_future_release(self) -> None: ...
+
+    assert compat.unknown_abstract_methods(NewAbstract) == ["a_method_of_a_future_release"]
+
+
+def test_the_wrappers_methods_follow_the_protocol_table() -> None:
+    """Tapped rows are kvobs's taps, pass-through rows the inner manager's own bound methods, rows of a
+    method the release lacks absent; a call through the class answers as the instance's tap."""
+    observed = kvobs.observe(create_manager(cpu_extra(4)))
+    inner = observed.inner
+    try:
+        for row in compat.PROTOCOL:
+            if row.tap == "shutdown":
+                assert "shutdown" not in vars(observed)
+            elif not hasattr(inner, row.name):
+                assert not row.everywhere and row.name not in vars(observed)
+            elif row.tap == "pass" and row.name != "get_stats":
+                assert getattr(observed, row.name) == getattr(inner, row.name), row.name
+            else:
+                assert getattr(observed, row.name) is observed._kvobs_taps[row.name], row.name
+        req = ReqContext("r")
+        assert type(observed).lookup(observed, key(1), req) == inner.lookup(key(1), req)
+        assert type(observed).has_pending_work(observed) == inner.has_pending_work()
+    finally:
+        observed.shutdown()
