@@ -1,21 +1,33 @@
-"""The Prometheus view of the sidecar's state (a custom collector, built per scrape)."""
+"""The Prometheus view of the sidecar's state (a custom collector, built per scrape); every metric's
+name, type, labels and help come from :mod:`kvobs.metric_catalogue`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvobs import __version__
 from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
+from kvobs.metric_catalogue import METRIC, SURVIVE_METRICS
 from kvobs.sidecar.ingest import Ingest
 from kvobs.wire.histogram import Histogram
 
 SKIP_SOURCES = ("journal", "report", "checkpoint")
-ENGINE_LABELS = ("model_name", "engine")
-"""vLLM's own identity labels, with vLLM's values: kvobs_* series join vllm:* series on them."""
 SKIP_REASONS = ("corrupt", "unreadable")
+
+
+_FAMILIES: dict[str, Any] = {
+    "counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily,
+}
+
+
+def _family(name: str) -> Any:
+    """An empty family of the catalogued metric ``name`` (kvobs/metric_catalogue.py: type, labels, help)."""
+    metric = METRIC[name]
+    return _FAMILIES[metric.type](metric.name, metric.help, labels=list(metric.label_names))
 
 
 def _hist(family: HistogramMetricFamily, labels: list[str], hist: Histogram | None) -> None:
@@ -42,92 +54,23 @@ class KvobsCollector(Collector):
         self.ingest = ingest
 
     def collect(self) -> Iterator[Metric]:
-        evicted = CounterMetricFamily(
-            "kvobs_evicted_chunks", "Chunks removed from the CPU tier.", labels=[*ENGINE_LABELS, "reason"]
-        )
-        batches = CounterMetricFamily(
-            "kvobs_eviction_batches", "Removal batches from the CPU tier.", labels=[*ENGINE_LABELS, "reason"]
-        )
-        failures = CounterMetricFamily(
-            "kvobs_load_failures", "Failed prepare_load calls by cause.", labels=[*ENGINE_LABELS, "cause"]
-        )
-        missing = CounterMetricFamily(
-            "kvobs_missing_chunks",
-            "Chunks missing at a failed load, by cause and KV group.",
-            labels=[*ENGINE_LABELS, "cause", "group"],
-        )
-        age = HistogramMetricFamily(
-            "kvobs_missing_chunk_eviction_age_seconds",
-            "Seconds between a missing chunk's last removal and the failed load.",
-            labels=[*ENGINE_LABELS, "group"],
-        )
-        residency = HistogramMetricFamily(
-            "kvobs_chunk_residency_seconds",
-            "Seconds a chunk stayed in the CPU tier (store to removal).",
-            labels=[*ENGINE_LABELS, "reason"],
-        )
-        near = CounterMetricFamily(
-            "kvobs_hits_evicted_before_load",
-            "Chunks a lookup reported that were removed before the request's load pinned them (near misses).",
-            labels=[*ENGINE_LABELS, "reason"],
-        )
-        hist_chunks = GaugeMetricFamily(
-            "kvobs_history_chunks", "Keys in the eviction history.", labels=[*ENGINE_LABELS]
-        )
-        hist_window = GaugeMetricFamily(
-            "kvobs_history_window_seconds", "How far back the eviction history reaches.", labels=[*ENGINE_LABELS]
-        )
-        dropped = CounterMetricFamily(
-            "kvobs_dropped_records", "Records kvobs dropped to stay bounded.", labels=[*ENGINE_LABELS, "stage"]
-        )
-        errors = CounterMetricFamily(
-            "kvobs_internal_errors",
-            "Faults of kvobs's own (counted, never raised into vLLM).",
-            labels=[*ENGINE_LABELS, "stage"],
-        )
-        build = GaugeMetricFamily(
-            "kvobs_build_info",
-            "kvobs and vLLM versions and the hot path each engine runs (compiled or python).",
-            labels=[*ENGINE_LABELS, "version", "vllm_version", "hot_path"],
-        )
-        observing = GaugeMetricFamily(
-            "kvobs_observing",
-            "1 while kvobs observes the engine's offload manager, 0 when it stepped aside (reason: why).",
-            labels=[*ENGINE_LABELS, "reason"],
-        )
-        newest_failure = GaugeMetricFamily(
-            "kvobs_last_load_failure_timestamp_seconds",
-            "Wall time of the newest failed load by cause (0: none); alerts read this, not when Prometheus "
-            "first saw the counter move.",
-            labels=[*ENGINE_LABELS, "cause"],
-        )
-        previous_failure = GaugeMetricFamily(
-            "kvobs_previous_load_failure_timestamp_seconds",
-            "Wall time of the failed load before the newest, by cause (0: none): a repeat is both recent.",
-            labels=[*ENGINE_LABELS, "cause"],
-        )
-        survive = {
-            "loads": CounterMetricFamily(
-                "kvobs_recomputed_loads",
-                "Failed loads survive mode turned into a recompute (the engine went on; 0 unless the option is on).",
-                labels=[*ENGINE_LABELS],
-            ),
-            "tokens": CounterMetricFamily(
-                "kvobs_recomputed_tokens", "Tokens vLLM recomputed for those loads (what survive mode cost).",
-                labels=[*ENGINE_LABELS],
-            ),
-            "alarms": CounterMetricFamily(
-                "kvobs_recompute_alarms",
-                "Times recomputes exceeded the survive_alarm_per_hour option within an hour (logged at ERROR).",
-                labels=[*ENGINE_LABELS],
-            ),
-        }
-        assert tuple(survive) == SURVIVE_COUNTS
-        last = GaugeMetricFamily(
-            "kvobs_engine_last_record_timestamp_seconds",
-            "Wall time of the newest record from each engine.",
-            labels=[*ENGINE_LABELS],
-        )
+        evicted = _family("kvobs_evicted_chunks")
+        batches = _family("kvobs_eviction_batches")
+        failures = _family("kvobs_load_failures")
+        missing = _family("kvobs_missing_chunks")
+        age = _family("kvobs_missing_chunk_eviction_age_seconds")
+        residency = _family("kvobs_chunk_residency_seconds")
+        near = _family("kvobs_hits_evicted_before_load")
+        hist_chunks = _family("kvobs_history_chunks")
+        hist_window = _family("kvobs_history_window_seconds")
+        dropped = _family("kvobs_dropped_records")
+        errors = _family("kvobs_internal_errors")
+        build = _family("kvobs_build_info")
+        observing = _family("kvobs_observing")
+        newest_failure = _family("kvobs_last_load_failure_timestamp_seconds")
+        previous_failure = _family("kvobs_previous_load_failure_timestamp_seconds")
+        survive = {count: _family(SURVIVE_METRICS[count]) for count in SURVIVE_COUNTS}
+        last = _family("kvobs_engine_last_record_timestamp_seconds")
         ingest = self.ingest
         with ingest.lock:
             state = ingest.state
@@ -183,33 +126,26 @@ class KvobsCollector(Collector):
             *survive.values(),
         )
         yield from (build, observing, last, newest_failure, previous_failure)
-        ingested = CounterMetricFamily("kvobs_sidecar_records", "Journal records the sidecar has read.")
+        ingested = _family("kvobs_sidecar_records")
         ingested.add_metric([], records)
         yield ingested
-        skips = CounterMetricFamily(
-            "kvobs_sidecar_skipped",
-            "Journal records and files the sidecar skipped (corrupt, or unreadable: another uid's, a symlink).",
-            labels=["source", "reason"],
-        )
+        skips = _family("kvobs_sidecar_skipped")
         for source in SKIP_SOURCES:
             for reason in SKIP_REASONS:
                 skips.add_metric([source, reason], skipped.get((source, reason), 0))
         yield skips
-        faults = CounterMetricFamily("kvobs_sidecar_internal_errors", "Ingest rounds that failed (logged once).")
+        faults = _family("kvobs_sidecar_internal_errors")
         faults.add_metric([], ingest_errors)
         yield faults
-        sidecar = GaugeMetricFamily("kvobs_sidecar_build_info", "The sidecar's own kvobs version.", labels=["version"])
+        sidecar = _family("kvobs_sidecar_build_info")
         sidecar.add_metric([__version__], 1)
         yield sidecar
-        blind = GaugeMetricFamily(
-            "kvobs_sidecar_unreadable_files",
-            "Files and directories of the kvobs directory the sidecar cannot read or write now (/healthz names them).",
-        )
+        blind = _family("kvobs_sidecar_unreadable_files")
         blind.add_metric([], unreadable)
         yield blind
-        seen = GaugeMetricFamily("kvobs_sidecar_engines", "Engines the sidecar has seen.")
+        seen = _family("kvobs_sidecar_engines")
         seen.add_metric([], engines)
         yield seen
-        poll = GaugeMetricFamily("kvobs_sidecar_last_poll_timestamp_seconds", "Wall time of the last ingest round.")
+        poll = _family("kvobs_sidecar_last_poll_timestamp_seconds")
         poll.add_metric([], last_poll)
         yield poll

@@ -17,7 +17,8 @@ counters being prometheus_client's, exposes them with ``_total``::
     vllm:kv_offload_kvobs_hits_evicted_before_load_total{model_name, engine, reason}
 
 They count what the sidecar's ``kvobs_evicted_chunks_total``, ``kvobs_load_failures_total`` and
-``kvobs_hits_evicted_before_load_total`` count (kvobs/sidecar/metrics.py), under other names, so
+``kvobs_hits_evicted_before_load_total`` count (kvobs/sidecar/metrics.py), with the same help texts
+(both from kvobs/metric_catalogue.py), under other names, so
 that a query over one family never adds the other. The ``vllm:`` prefix also lets vLLM's
 ``unregister_vllm_metrics`` drop them with its own when its stat logger is rebuilt.
 """
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvobs.codes import CAUSES, REASONS
+from kvobs.metric_catalogue import METRIC, ON_VLLM, VLLM_PREFIX
 from kvobs.options import Options
 from kvobs.vllm import compat
 
@@ -37,19 +39,15 @@ if TYPE_CHECKING:  # the API server imports this module for metric_definitions: 
 
 logger = logging.getLogger("kvobs")
 
-PREFIX = "vllm:kv_offload_kvobs_"
-EVICTED = PREFIX + "evicted_chunks"
-LOAD_FAILURES = PREFIX + "load_failures"
-NEAR_MISSES = PREFIX + "hits_evicted_before_load"
+PREFIX = VLLM_PREFIX + "kvobs_"
+EVICTED, LOAD_FAILURES, NEAR_MISSES = (VLLM_PREFIX + name for name in ON_VLLM)
+_VALUES: dict[str, tuple[str, ...]] = {"reason": REASONS, "cause": CAUSES}
 
-COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
-    (EVICTED, "reason", "Chunks removed from the CPU tier, by reason (kvobs).", REASONS),
-    (LOAD_FAILURES, "cause", "Failed prepare_load calls, by cause (kvobs).", CAUSES),
-    (NEAR_MISSES, "reason",
-     "Chunks a lookup reported that were removed before the request's load pinned them (kvobs near misses).",
-     REASONS),
+COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = tuple(
+    (VLLM_PREFIX + metric.name, label, metric.help, _VALUES[label])
+    for metric in (METRIC[name] for name in ON_VLLM) for (label,) in [metric.labels]
 )
-"""(name as declared, its label, help text, every label value)."""
+"""(name as declared, its label, help text, every label value): the catalogue's (kvobs/metric_catalogue.py)."""
 
 _warned = False
 
