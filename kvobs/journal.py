@@ -35,9 +35,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvobs.diagnosis import Diagnosis
 from kvobs.files import private_dir, write_all, write_durably
-from kvobs.observer import Sink
+from kvobs.observer import FailureEvent, Sink
 from kvobs.options import Options
 from kvobs.recording import HOT_PATH, NearMiss, RemovalRun
 from kvobs.wire.encode import bounded_report, encode_hello, encode_note, encode_removals, encode_totals, failure_report
@@ -191,9 +190,10 @@ class JournalSink(Sink):
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         self._enqueue(("line", encode_note(self.writer, "near_miss", time.time(), r=reason, n=len(near_misses))))
 
-    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
-        """Durable report, then a bounded synchronous drain of the journal."""
-        report = failure_report(diagnosis, exc, self.writer, time.time(), trace=self._failure_span(diagnosis, exc))
+    def on_failure(self, event: FailureEvent) -> None:
+        """Durable report (naming the failure's trace, when the event carries one), then a bounded
+        synchronous drain of the journal."""
+        report = failure_report(event.diagnosis, event.exc, self.writer, time.time(), trace=event.trace)
         name = report_name(report["time"], self.engine, os.getpid(), self._reports)
         self._reports += 1
         try:
@@ -206,19 +206,6 @@ class JournalSink(Sink):
             self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
         except Exception as fault:
             self.observer.internal_error("journal", fault)
-
-    def _failure_span(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
-        """The (trace_id, span_id) of this failure's span when sampled (``kvobs.tracing.TracingSink``
-        starts it for the report; a fault there is the tracing sink's own, counted in its on_failure)."""
-        for sink in self.observer.sinks:
-            ids = getattr(sink, "failure_span_ids", None)
-            if ids is not None:
-                try:
-                    found: tuple[str, str] | None = ids(diagnosis, exc)
-                except Exception:
-                    return None
-                return found
-        return None
 
     # -- writer ------------------------------------------------------------------------
 

@@ -38,8 +38,25 @@ class Unloadable(NamedTuple):
     state: str  # kvobs.diagnosis.MISSING or NOT_READY
 
 
+class FailureEvent(NamedTuple):
+    """One failed load, as every sink receives it (the same object for all)."""
+
+    diagnosis: Diagnosis
+    exc: BaseException
+    """vLLM's assertion, its message already kvobs's explanation."""
+    trace: tuple[str, str] | None = None
+    """(trace_id, span_id) in hex of the failure's span when one is sampled (a sink's
+    :meth:`Sink.start_failure` started it), else None."""
+
+
 class Sink:
-    """Receives what the observer records. Methods are no-ops; override what you need."""
+    """Receives what the observer records. Methods are no-ops; override what you need.
+
+    A failure reaches the sinks in two rounds, as OpenTelemetry's span processors and exporters
+    split the work: :meth:`start_failure` on every sink (the tracing sink starts the failure's span
+    there and returns its ids), then :meth:`on_failure` on every sink with one :class:`FailureEvent`
+    carrying those ids. No sink knows of another; their order changes nothing.
+    """
 
     stage: str = "sink"
     """The ``stage`` label this sink's own faults are counted under (one of ``kvobs.codes.STAGES``)."""
@@ -52,8 +69,13 @@ class Sink:
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         """Promised chunks were removed before their load asked for them."""
 
-    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
-        """A load failed; called (and must finish, bounded) before the exception leaves kvobs."""
+    def start_failure(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
+        """A load failed (first round, bounded): the (trace_id, span_id) of the trace this sink starts
+        for it, if it starts one, else None."""
+        return None
+
+    def on_failure(self, event: FailureEvent) -> None:
+        """A load failed (second round); called (and must finish, bounded) before the exception leaves kvobs."""
 
     def close(self) -> None:
         """Flush and release resources."""
@@ -299,9 +321,22 @@ class Observer:
             logger.error("kv offload load failed: %s", diagnosis.message)
         return diagnosis
 
-    def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
-        """Hand a failure to every sink (reports, spans); they finish before this returns."""
-        self._each_sink(lambda s: s.on_failure(diagnosis, exc))
+    def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> FailureEvent:
+        """Make the failure's event and hand it to every sink (reports, spans); they finish before
+        this returns. First every sink's :meth:`Sink.start_failure` (the trace's ids: the first
+        sink to give them), then every sink's :meth:`Sink.on_failure` with the one event; it."""
+        trace: tuple[str, str] | None = None
+        for sink in self._sinks:
+            try:
+                ids = sink.start_failure(diagnosis, exc)
+            except Exception as fault:  # a sink must never break vLLM
+                self.internal_error(sink.stage, fault)
+                continue
+            if trace is None and ids is not None:
+                trace = ids
+        event = FailureEvent(diagnosis, exc, trace)
+        self._each_sink(lambda s: s.on_failure(event))
+        return event
 
     # -- fault containment -------------------------------------------------
 

@@ -24,9 +24,10 @@ else an explicit empty context (EngineCore inherits a stale startup
 
 The span carries the request id as vLLM's own spans do (``gen_ai.request.id``,
 vLLM's ``SpanAttributes.GEN_AI_REQUEST_ID``) and as ``kv_offload.req_id``.
-Its ids go into the failure report (``kvobs.journal`` asks :meth:`TracingSink.failure_span_ids`
-before it writes it): the span is started first, so the report and the sidecar's exemplar
-name the trace the backend received.
+Its ids go into the failure event every sink receives (``kvobs.observer.FailureEvent``), so into
+the failure report too: the observer asks every sink's ``start_failure`` before any ``on_failure``,
+and this sink starts the span there (:meth:`TracingSink.start_failure`), so the report and the
+sidecar's exemplar name the trace the backend received, whatever order the sinks were added in.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvobs.diagnosis import Diagnosis
-from kvobs.observer import Sink
+from kvobs.observer import FailureEvent, Sink
 
 logger = logging.getLogger("kvobs")
 
@@ -203,7 +204,7 @@ class TracingSink(Sink):
         return provider
 
     def _begin(self, diagnosis: Diagnosis, exc: BaseException) -> _Emission:
-        """This failure's emission, started on first call (by the journal's report or by on_failure)."""
+        """This failure's emission, started on first call (by start_failure, or by on_failure)."""
         current = self._current
         if current is not None:
             if current.diagnosis is diagnosis:
@@ -217,16 +218,21 @@ class TracingSink(Sink):
         emission.thread.start()
         return emission
 
-    def failure_span_ids(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
-        """(trace_id, span_id) in hex of this failure's span when it is sampled, else None; starts the
-        span if on_failure has not yet, and waits for its start within the span's own bound."""
-        emission = self._begin(diagnosis, exc)
+    def start_failure(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
+        """(trace_id, span_id) in hex of this failure's span when it is sampled, else None: starts the
+        span and waits for its start within the span's own bound. A fault here is met again, and
+        counted once, in :meth:`on_failure`."""
+        try:
+            emission = self._begin(diagnosis, exc)
+        except Exception:
+            return None
         emission.started.wait(emission.remaining())
         return emission.ids
 
-    def on_failure(self, diagnosis: Diagnosis, exc: BaseException) -> None:
-        """Emit and flush the span on a helper thread; wait at most FLUSH_TIMEOUT_MS from its start."""
-        emission = self._begin(diagnosis, exc)
+    def on_failure(self, event: FailureEvent) -> None:
+        """Emit and flush the span on a helper thread (begun by :meth:`start_failure`, else now);
+        wait at most FLUSH_TIMEOUT_MS from its start."""
+        emission = self._begin(event.diagnosis, event.exc)
         self._current = None
         emission.thread.join(emission.remaining())
         if emission.thread.is_alive():

@@ -24,7 +24,7 @@ from removals import record_removal
 from services import ROOT, free_port, http_get, wait_for
 
 from kvobs.journal import JournalSink
-from kvobs.observer import Observer
+from kvobs.observer import FailureEvent, Observer
 from kvobs.options import Options
 from kvobs.sidecar.ingest import CHECKPOINT, Ingest
 from kvobs.sidecar.metrics import KvobsCollector
@@ -44,7 +44,7 @@ def write_engine(directory: Path, engine: str, removals: int, fail: bool = False
 
         diagnosis = observer.load_failed("Chunk b'x' not found in cache", "req-f", 1, None,
                                          [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
-        sink.on_failure(diagnosis, AssertionError(diagnosis.message))
+        sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
     sink.close()
     return observer
 

@@ -22,7 +22,7 @@ from test_reliability_sidecar_input import scrape, serve, skipped
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
-from kvobs.observer import Observer, Unloadable
+from kvobs.observer import FailureEvent, Observer, Unloadable
 from kvobs.options import Options
 from kvobs.wire.format import MAX_LINE_BYTES
 
@@ -34,7 +34,7 @@ def _key(i: int) -> bytes:
 def _fail(observer: Observer, sink: JournalSink, req_id: str = "req-f") -> None:
     diagnosis = observer.load_failed("Chunk b'x' not found in cache", req_id, 1, None,
                                      [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
-    sink.on_failure(diagnosis, AssertionError(diagnosis.message))
+    sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
 
 
 def _engine(directory: Path, **options: Any) -> tuple[Observer, JournalSink]:
