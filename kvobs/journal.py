@@ -1,7 +1,9 @@
 """The engine's side of the journal: a per-engine append-only file of records in ``KVOBS_DIR``.
 
 The records' format is ``kvobs.wire.format``, their encoders ``kvobs.wire.encode``, every reader
-``kvobs.wire.decode``.
+``kvobs.wire.decode``. Two parts here: :class:`JournalSink` (the observer's sink: the bounded queue,
+the writer thread, flushes and totals) and :class:`JournalFiles` (the files: segments and their
+rotation, pruning, failure reports).
 
 Why a journal: the engine must never block on the sidecar (or on anything), one
 sidecar must serve every DP rank of a node, and the evidence must outlive the
@@ -130,21 +132,131 @@ def announce_unobserved(options: Options, vllm_version: str, reason: str, detail
         os.close(fd)
 
 
+class JournalFiles:
+    """The journal's files for one writer: its segments (appended, rolled at ``segment_bytes``, the
+    newest ``KEEP_SEGMENTS`` kept), the pruning of this engine's earlier processes' segments, and its
+    failure reports (written durably, the newest ``max_reports`` kept). Knows nothing of queues or
+    threads: :class:`JournalSink` calls it under its write lock (reports: on the failing thread)."""
+
+    def __init__(self, directory: str | os.PathLike[str], engine: str, options: Options) -> None:
+        self.root = private_dir(Path(directory))
+        self.journal_dir = private_dir(self.root / JOURNAL_DIR)
+        self.failures_dir = private_dir(self.root / FAILURES_DIR)
+        self.engine = engine
+        self.segment_bytes = options.journal_bytes // KEEP_SEGMENTS
+        self.keep_processes = options.journal_processes
+        self.max_reports = options.max_reports
+        self._seq = 0
+        self._segment_bytes = 0
+        self._fd: int | None = None
+        self._reports = 0
+        self._stem = _claim_stem(self.journal_dir, engine)
+        self._prune_earlier_processes()
+
+    # -- segments ----------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) to the current segment, rolling first when it would not fit."""
+        if self._fd is None or self._segment_bytes + len(data) > self.segment_bytes:
+            self._roll()
+        assert self._fd is not None
+        try:
+            write_all(self._fd, data)
+        except OSError:
+            # Keep the file line-aligned: cut a partial append back off (disk full, EIO).
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._segment_bytes)
+            raise
+        self._segment_bytes += len(data)
+
+    def sync(self) -> None:
+        """fsync the current segment (if one is open)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the current segment and give the file stem back."""
+        try:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)
+        finally:
+            with _stems_lock:
+                _stems_in_use.discard((str(self.journal_dir), self._stem))
+
+    def _roll(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None  # never keep a closed descriptor number (it gets reused)
+            os.close(fd)
+            self._seq += 1
+        path = self.journal_dir / journal_name(self._stem, self._seq)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._segment_bytes = 0
+        old = self._seq - KEEP_SEGMENTS
+        if old >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                (self.journal_dir / journal_name(self._stem, old)).unlink()
+
+    def _prune_earlier_processes(self) -> None:
+        """Delete the segments of this engine's earlier processes but the newest ``journal_processes``'.
+
+        Each process bounds its own segments; without this a crash-looping engine would leave
+        up to KEEP_SEGMENTS segments per restart, forever. Newest by last write, so a live
+        writer (touching its file every FLUSH_EVERY_S) is never among the deleted.
+        """
+        mine = os.getpid()
+        by_pid: dict[int, list[Path]] = {}
+        for path in self.journal_dir.glob("*" + JOURNAL_SUFFIX):
+            parsed = parse_stem(stem_of(path.name))
+            if parsed is not None and parsed[0] == self.engine and parsed[1] != mine:
+                by_pid.setdefault(parsed[1], []).append(path)
+        if len(by_pid) <= self.keep_processes:
+            return
+
+        def last_write(paths: list[Path]) -> float:
+            newest = 0.0
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, path.stat().st_mtime)
+            return newest
+
+        by_age = sorted(by_pid.values(), key=last_write)
+        for paths in by_age[: len(by_age) - self.keep_processes]:
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    # -- failure reports -----------------------------------------------------------------
+
+    def report_name(self, report: dict[str, Any]) -> str:
+        """The next report's file name (each name used once)."""
+        name = report_name(report["time"], self.engine, os.getpid(), self._reports)
+        self._reports += 1
+        return name
+
+    def write_report(self, name: str, report: dict[str, Any]) -> None:
+        """Write a report durably (cut to ``REPORT_BYTES``), then drop the oldest beyond ``max_reports``."""
+        write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
+        self._prune_reports()
+
+    def _prune_reports(self) -> None:
+        reports = sorted(self.failures_dir.glob("*" + REPORT_SUFFIX))
+        for stale in reports[: max(0, len(reports) - self.max_reports)]:
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+
+
 class JournalSink(Sink):
-    """Writes an engine's records for the sidecar; see the module docstring."""
+    """Queues an engine's records for the sidecar and writes them out on its own thread, through
+    :class:`JournalFiles`; see the module docstring."""
 
     stage = "journal"
     needs_residency = True
 
     def __init__(self, directory: str | os.PathLike[str], observer: Observer, vllm_version: str = "") -> None:
-        self.root = private_dir(Path(directory))
-        self.journal_dir = private_dir(self.root / JOURNAL_DIR)
-        self.failures_dir = private_dir(self.root / FAILURES_DIR)
         self.observer = observer
         self.engine = observer.options.engine or "0"
-        self.segment_bytes = observer.options.journal_bytes // KEEP_SEGMENTS
-        self.keep_processes = observer.options.journal_processes
-        self.max_reports = observer.options.max_reports
+        self.files = JournalFiles(directory, self.engine, observer.options)
         # Tells this writer's cumulative totals apart from any other's with the same engine and
         # pid: a restarted container reuses pids; two observed managers may share one process.
         self.run = os.urandom(6).hex()
@@ -154,17 +266,11 @@ class JournalSink(Sink):
         self._queued = 0  # records in the queue (a run of batches counts each batch)
         self.dropped = 0
         self._write_lock = threading.Lock()
-        self._seq = 0
-        self._segment_bytes = 0
-        self._fd: int | None = None
         self._wall_offset = time.time() - time.monotonic()
-        self._reports = 0
         self._totals_seq = itertools.count(1)  # next() is atomic: two flushing threads never share one
         self.writer_cpu_s = 0.0
         """CPU seconds the writer thread has spent (the overhead benchmark adds it to the engine's)."""
         self._closed = threading.Event()
-        self._stem = _claim_stem(self.journal_dir, self.engine)
-        self._prune_earlier_processes()
         from kvobs import __version__
 
         self._enqueue(("line", encode_hello(
@@ -194,11 +300,9 @@ class JournalSink(Sink):
         """Durable report (naming the failure's trace, when the event carries one), then a bounded
         synchronous drain of the journal."""
         report = failure_report(event.diagnosis, event.exc, self.writer, time.time(), trace=event.trace)
-        name = report_name(report["time"], self.engine, os.getpid(), self._reports)
-        self._reports += 1
+        name = self.files.report_name(report)
         try:
-            write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
-            self._prune_reports()
+            self.files.write_report(name, report)
             self._enqueue(("line", encode_note(self.writer, "failure", time.time(), file=name, cause=report["cause"])))
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.observer.internal_error("report", fault)
@@ -253,16 +357,16 @@ class JournalSink(Sink):
             lines.append(totals)
             written = 0
             try:
-                for count, chunk in _chunks(lines, self.segment_bytes):
-                    self._write(chunk)
+                for count, chunk in _chunks(lines, self.files.segment_bytes):
+                    self.files.write(chunk)
                     written += count
             except OSError:
                 # Lost, and said so: counted as dropped (the next totals carry the count;
                 # the counters themselves are cumulative, so they recover exactly).
                 self.dropped += max(0, len(lines) - 1 - written)
                 raise
-            if durable and self._fd is not None:
-                os.fsync(self._fd)
+            if durable:
+                self.files.sync()
             return True
         finally:
             self._write_lock.release()
@@ -276,71 +380,6 @@ class JournalSink(Sink):
         if not self._write_lock.acquire(timeout=FAILURE_FLUSH_TIMEOUT_S):
             raise TimeoutError("journal writer stuck; file left open at close")
         try:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self.files.close()
         finally:
             self._write_lock.release()
-        with _stems_lock:
-            _stems_in_use.discard((str(self.journal_dir), self._stem))
-
-    def _write(self, data: bytes) -> None:
-        if self._fd is None or self._segment_bytes + len(data) > self.segment_bytes:
-            self._roll()
-        assert self._fd is not None
-        try:
-            write_all(self._fd, data)
-        except OSError:
-            # Keep the file line-aligned: cut a partial append back off (disk full, EIO).
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._segment_bytes)
-            raise
-        self._segment_bytes += len(data)
-
-    def _roll(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None  # never keep a closed descriptor number (it gets reused)
-            os.close(fd)
-            self._seq += 1
-        path = self.journal_dir / journal_name(self._stem, self._seq)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._segment_bytes = 0
-        old = self._seq - KEEP_SEGMENTS
-        if old >= 0:
-            with contextlib.suppress(FileNotFoundError):
-                (self.journal_dir / journal_name(self._stem, old)).unlink()
-
-    def _prune_earlier_processes(self) -> None:
-        """Delete the segments of this engine's earlier processes but the newest ``journal_processes``'.
-
-        Each process bounds its own segments; without this a crash-looping engine would leave
-        up to KEEP_SEGMENTS segments per restart, forever. Newest by last write, so a live
-        writer (touching its file every FLUSH_EVERY_S) is never among the deleted.
-        """
-        mine = os.getpid()
-        by_pid: dict[int, list[Path]] = {}
-        for path in self.journal_dir.glob("*" + JOURNAL_SUFFIX):
-            parsed = parse_stem(stem_of(path.name))
-            if parsed is not None and parsed[0] == self.engine and parsed[1] != mine:
-                by_pid.setdefault(parsed[1], []).append(path)
-        if len(by_pid) <= self.keep_processes:
-            return
-
-        def last_write(paths: list[Path]) -> float:
-            newest = 0.0
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    newest = max(newest, path.stat().st_mtime)
-            return newest
-
-        by_age = sorted(by_pid.values(), key=last_write)
-        for paths in by_age[: len(by_age) - self.keep_processes]:
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-
-    def _prune_reports(self) -> None:
-        reports = sorted(self.failures_dir.glob("*" + REPORT_SUFFIX))
-        for stale in reports[: max(0, len(reports) - self.max_reports)]:
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
