@@ -14,7 +14,8 @@ whatever a caller does with an attribute of the wrapper, it does as on the bare 
   journal (its evidence would otherwise mix with the original's under one engine label),
   and fail where the bare manager's do.
 
-How it forwards, cheaply: each method is an instance attribute set at construction. Methods
+How it forwards, cheaply: each method is an instance attribute set at construction, as the one
+table of the protocol, ``compat.PROTOCOL``, says (the class's methods are built from it too). Methods
 kvobs has nothing to record for are the inner manager's own bound methods; the others are
 taps from :mod:`kvobs.recording` (compiled when built) that call the inner method and record
 around it. Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
