@@ -34,8 +34,8 @@ venv: $(STAMP)
 
 # torch 2.13.0 CPU build first, then vLLM without its GPU dependencies, then the deps its
 # scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
-# its hot path, kvobs/_recording.py, with mypyc).
-$(STAMP): pyproject.toml setup.py kvobs/_recording.py requirements/vllm-$(VLLM_VERSION).txt
+# its hot path, kvobs/hot_path.py, with mypyc).
+$(STAMP): pyproject.toml setup.py kvobs/hot_path.py requirements/vllm-$(VLLM_VERSION).txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
 	@echo "Setting up $(VENV) (vLLM $(VLLM_VERSION) for CPU-only use; a few minutes the first time):"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -106,7 +106,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The whole suite on vLLM $(VLLM_VERSION) and kvobs's compiled hot path; the tests that matter for the hot
-# path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/_recording.py);
+# path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/hot_path.py);
 # then the tests that touch vLLM on every older supported release.
 test: $(STAMP) tools lint typecheck
 	$(PY) -m pytest -q tests --ignore=tests/engine

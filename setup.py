@@ -1,7 +1,7 @@
-"""Compiles kvobs's hot path (kvobs/_recording.py) with mypyc; without a C compiler kvobs runs it as Python.
+"""Compiles kvobs's hot path (kvobs/hot_path.py) with mypyc; without a C compiler kvobs runs it as Python.
 
 One source, two forms: the same module is the compiled extension and its pure-Python fallback
-(kvobs/recording.py picks one at import). A failed compile only warns.
+(kvobs/hot_path_loader.py picks one at import). A failed compile only warns.
 """
 
 import os
@@ -19,7 +19,7 @@ def hot_path_extensions() -> list:
         print(f"kvobs: mypyc not available ({exc}); the hot path will run as Python", file=sys.stderr)
         return []
     try:
-        extensions = mypycify(["--follow-imports=skip", "kvobs/_recording.py"], opt_level="3")
+        extensions = mypycify(["--follow-imports=skip", "kvobs/hot_path.py"], opt_level="3")
     except Exception as exc:  # a mypyc failure must not stop the install: kvobs runs the Python form
         print(f"kvobs: compiling the hot path failed ({exc!r}); it will run as Python", file=sys.stderr)
         return []

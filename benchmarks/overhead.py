@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         counts = results[manager]["counts"]
         print(f"  {manager}: {counts}")
     managers = args.managers.split(",")
-    from kvobs.recording import HOT_PATH
+    from kvobs.hot_path_loader import HOT_PATH
 
     target = TARGET_RATIO if HOT_PATH == "compiled" else TARGET_RATIO_PYTHON
     worst = max(results[m]["observed"]["interleaved_ratio"] for m in managers)

@@ -25,7 +25,7 @@ COPY --from=build /wheels /wheels
 # volumes mounted there start with that owner.
 RUN python3 -m pip install --no-cache-dir --no-deps /wheels/kvobs-*.whl \
     && rm -rf /wheels \
-    && python3 -c "import kvobs.vllm, kvobs.recording as r; assert r.HOT_PATH == 'compiled', 'kvobs: hot path not compiled'" \
+    && python3 -c "import kvobs.vllm, kvobs.hot_path_loader as r; assert r.HOT_PATH == 'compiled', 'kvobs: hot path not compiled'" \
     && groupadd --system --gid 10001 vllm \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/vllm --create-home --shell /usr/sbin/nologin vllm \
     && mkdir -p /var/lib/kvobs /data/hf \

@@ -1,7 +1,7 @@
 """Why a load found chunks missing: classify each key, then write the message.
 
 Pure logic: it sees facts gathered by the observer (each key's promise and the removal
-that broke it, by the rule in ``kvobs/_recording.py``; its last recorded removal; its
+that broke it, by the rule in ``kvobs/hot_path.py``; its last recorded removal; its
 state in the cache) and imports nothing from vLLM, so it is tested without vLLM and
 runs in the failing process in microseconds.
 """
@@ -17,7 +17,7 @@ from kvobs.codes import CAUSE_OF_REASON, CAUSES
 from kvobs.history import Removal
 
 if TYPE_CHECKING:
-    from kvobs.recording import Verdict
+    from kvobs.hot_path_loader import Verdict
 
 __all__ = ["CAUSES", "Diagnosis", "KeyDiagnosis", "KeyFacts", "LoadFailure", "classify", "diagnose"]
 

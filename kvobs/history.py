@@ -10,7 +10,7 @@ key -> time costs ~150 bytes a key). Here a key costs 8 bytes:
   batch, its monotonic time, reason, path and the request that caused it.
 
 Recording takes whole runs of batches, column by column, as the recorder queued them
-(``kvobs.recording.RemovalRun``), and folds them into the rings in vectorised steps once
+(``kvobs.hot_path_loader.RemovalRun``), and folds them into the rings in vectorised steps once
 a few thousand keys are pending, or when somebody asks a question. Batch serials are the
 recorder's: a promise names the serial of the removal that broke it, and
 :meth:`EvictionHistory.removal_at` gives that batch's details.
@@ -104,7 +104,7 @@ class EvictionHistory:
         flags: Any,
         reqs: Sequence[str | None],
     ) -> None:
-        """Record a run of removal batches given column by column (``kvobs.recording.RemovalRun``).
+        """Record a run of removal batches given column by column (``kvobs.hot_path_loader.RemovalRun``).
 
         ``hashes`` are ``hash(key)`` of every key and ``counts`` the keys per batch (native
         int64), ``times`` monotonic seconds (float64), ``flags`` ``kvobs.codes.pack_flags``

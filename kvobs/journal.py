@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvobs.files import private_dir, write_all, write_durably
+from kvobs.hot_path_loader import HOT_PATH, NearMiss, RemovalRun
 from kvobs.observer import FailureEvent, Sink
 from kvobs.options import Options
-from kvobs.recording import HOT_PATH, NearMiss, RemovalRun
 from kvobs.wire.encode import bounded_report, encode_hello, encode_note, encode_removals, encode_totals, failure_report
 from kvobs.wire.format import (
     FAILURES_DIR,

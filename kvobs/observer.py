@@ -1,7 +1,7 @@
-"""The recording core: history, promises, near misses, diagnosis, sinks.
+"""The evidence core: history, promises, near misses, diagnosis, sinks.
 
 It knows nothing of vLLM: the glue in ``kvobs.vllm`` installs the recorder's taps
-(``kvobs.recording``) and tells it when a load failed; the observer keeps the
+(``kvobs.hot_path_loader``) and tells it when a load failed; the observer keeps the
 evidence, counts, and hands what it records to sinks, one way. Every sink call is
 isolated: a sink's failure is counted and logged once, never raised into the caller.
 """
@@ -18,8 +18,8 @@ from typing import NamedTuple
 from kvobs.codes import CAUSES, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, STAGES
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
+from kvobs.hot_path_loader import Breach, NearMiss, Recorder, RemovalRun, Verdict
 from kvobs.options import Options
-from kvobs.recording import Breach, NearMiss, Recorder, RemovalRun, Verdict
 from kvobs.survive import RecomputeLedger
 
 logger = logging.getLogger("kvobs")

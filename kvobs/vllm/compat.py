@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
 if TYPE_CHECKING:
-    from kvobs.recording import Recorder
+    from kvobs.hot_path_loader import Recorder
 
 logger = logging.getLogger("kvobs")
 
@@ -113,7 +113,7 @@ class Method(NamedTuple):
     tap: str
     """How kvobs forwards it (:data:`TAP_KINDS`): ``pass`` (the inner manager's own bound method:
     nothing to record), ``lookup``, ``load``, ``keys``, ``request``, ``call`` (kvobs's taps of
-    ``kvobs.recording``, of those names), ``shutdown`` (the wrapper's own: also closes the observer)."""
+    ``kvobs.hot_path_loader``, of those names), ``shutdown`` (the wrapper's own: also closes the observer)."""
     path: str | None
     """The removal path (``kvobs.codes.PATHS``) a tapped call marks removals under; None: not tapped."""
     args: tuple[Any, ...] | None
@@ -191,7 +191,7 @@ def num_chunks(cpu: Any) -> int:
 
 def is_hooked(manager: OffloadingManager) -> bool:
     """Whether kvobs already observes this manager's CPU tier (through another wrapper)."""
-    from kvobs.recording import PolicyTap  # here, not at import: the spec imports this module (kvobs.vllm)
+    from kvobs.hot_path_loader import PolicyTap  # here, not at import: the spec imports this module (kvobs.vllm)
 
     cpu = cpu_tier_of(manager)
     policy = getattr(cpu, "_policy", None)
@@ -268,7 +268,7 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     The taps are instance attributes calling the original bound methods, so the policy
     stays the same object of the same class with the same state.
     """
-    from kvobs.recording import ClearTap, EvictTap, InsertTap, RemoveTap
+    from kvobs.hot_path_loader import ClearTap, EvictTap, InsertTap, RemoveTap
 
     policy = cpu._policy
     taps: list[tuple[str, Callable[..., Any]]] = [

@@ -17,7 +17,7 @@ whatever a caller does with an attribute of the wrapper, it does as on the bare 
 How it forwards, cheaply: each method is an instance attribute set at construction, as the one
 table of the protocol, ``compat.PROTOCOL``, says (the class's methods are built from it too). Methods
 kvobs has nothing to record for are the inner manager's own bound methods; the others are
-taps from :mod:`kvobs.recording` (compiled when built) that call the inner method and record
+taps from :mod:`kvobs.hot_path_loader` (compiled when built) that call the inner method and record
 around it. Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
 AssertionError, the same object, with the explanation appended.
 """

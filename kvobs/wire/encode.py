@@ -1,5 +1,5 @@
 """The engine's side of the wire: journal lines and failure reports built from the engine's objects
-(a :class:`~kvobs.recording.RemovalRun`, a :class:`~kvobs.diagnosis.Diagnosis`).
+(a :class:`~kvobs.hot_path_loader.RemovalRun`, a :class:`~kvobs.diagnosis.Diagnosis`).
 
 Called by ``kvobs.journal`` only (the removals on its writer thread). Lives in the wire package
 next to the format and its decoder, so a format change is made in one package, and a round trip
@@ -39,7 +39,7 @@ from kvobs.wire.histogram import Histogram
 
 if TYPE_CHECKING:
     from kvobs.diagnosis import Diagnosis
-    from kvobs.recording import RemovalRun
+    from kvobs.hot_path_loader import RemovalRun
 
 
 def _b64(data: bytes) -> str:

@@ -347,6 +347,6 @@ def test_the_docker_build_context_builds_a_wheel_with_the_compiled_hot_path(tmp_
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    compiled = [n for n in names if n.startswith("kvobs/_recording") and n.endswith(".so")]
-    assert compiled and "kvobs/_recording.py" in names, names  # the compiled form, and its source as fallback
+    compiled = [n for n in names if n.startswith("kvobs/hot_path") and n.endswith(".so")]
+    assert compiled and "kvobs/hot_path.py" in names, names  # the compiled form, and its source as fallback
     assert "-py3-none-any" not in wheel.name  # a platform wheel: it carries compiled code

@@ -24,7 +24,7 @@ from vllm_env import cpu_extra, observed_extra, tiering_extra
 import kvobs
 
 HEAVY = (
-    "kvobs.history", "kvobs.observer", "kvobs.recording", "kvobs._recording", "kvobs._recording__mypyc",
+    "kvobs.history", "kvobs.observer", "kvobs.hot_path_loader", "kvobs.hot_path", "kvobs.hot_path__mypyc",
     "kvobs.journal", "kvobs.tracing",
 )
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvobs.diagnosis import CAUSES, MISSING, NOT_READY, KeyFacts, LoadFailure, classify, diagnose
 from kvobs.history import Removal
-from kvobs.recording import Verdict
+from kvobs.hot_path_loader import Verdict
 
 LOOKUP = Verdict(serial=10, time=100.0, pending=False)
 PENDING = Verdict(serial=10, time=100.0, pending=True)

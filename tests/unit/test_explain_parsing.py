@@ -74,7 +74,7 @@ def test_damaged_kvobs_records_are_skipped_not_raised(tmp_path: Path) -> None:
     from array import array
 
     from kvobs.codes import pack_flags
-    from kvobs.recording import RemovalRun
+    from kvobs.hot_path_loader import RemovalRun
     from kvobs.wire.encode import encode_removals
     from kvobs.wire.format import Writer
 
@@ -106,7 +106,7 @@ def test_journal_lines_are_read_by_their_fields_not_the_order_of_their_keys(tmp_
     from array import array
 
     from kvobs.codes import pack_flags
-    from kvobs.recording import RemovalRun
+    from kvobs.hot_path_loader import RemovalRun
     from kvobs.wire.decode import decode_line
     from kvobs.wire.encode import encode_removals
     from kvobs.wire.format import Writer

@@ -1,4 +1,4 @@
-"""Promises: the one rule the near-miss counter and the diagnosis share (kvobs/_recording.py).
+"""Promises: the one rule the near-miss counter and the diagnosis share (kvobs/hot_path.py).
 
 A lookup's HIT makes a promise; a removal of its key after it breaks it; a load asking for a
 broken promise is a near miss (once, until the key is removed again), counted under the reason
@@ -14,9 +14,9 @@ from typing import Any
 from hypothesis import given, settings, strategies as st
 
 from kvobs.codes import REASONS
+from kvobs.hot_path_loader import Promises, RecentRemovals
 from kvobs.observer import Observer
 from kvobs.options import Options
-from kvobs.recording import Promises, RecentRemovals
 
 ROW = (3 << 1, 1.0)  # (serial << 1 | pending, time)
 

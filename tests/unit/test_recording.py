@@ -2,7 +2,7 @@
 
 Driven with plain callables standing in for vLLM's methods (no vLLM needed); the integration
 tests drive the same taps around vLLM's real managers. `make test` runs this file on the
-compiled form and again on the Python form of kvobs/_recording.py.
+compiled form and again on the Python form of kvobs/hot_path.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from kvobs.codes import PATHS, unpack_flags
 from kvobs.history import EvictionHistory
-from kvobs.recording import ClearTap, EvictTap, InsertTap, Recorder, RemoveTap
+from kvobs.hot_path_loader import ClearTap, EvictTap, InsertTap, Recorder, RemoveTap
 
 HIT, HIT_PENDING, MISS = object(), object(), object()
 KEYS = [bytes([i]) * 36 for i in range(6)]

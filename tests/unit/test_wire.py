@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvobs.codes import PATHS, REASONS, pack_flags
-from kvobs.recording import RemovalRun
+from kvobs.hot_path_loader import RemovalRun
 from kvobs.wire.decode import decode_record
 from kvobs.wire.encode import encode_hello, encode_removals, encode_totals
 from kvobs.wire.format import KEYS_LISTED, Ages, Removals, Writer, key_ref, ref_text
@@ -111,7 +111,7 @@ def test_the_sidecars_modules_import_neither_numpy_nor_the_hot_path_nor_vllm() -
     probe = (
         "import sys, kvobs.sidecar.server, kvobs.explain, kvobs.cli;"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'vllm', 'torch')"
-        " or m in ('kvobs.recording', 'kvobs._recording', 'kvobs.history', 'kvobs.observer', 'kvobs.journal',"
+        " or m in ('kvobs.hot_path_loader', 'kvobs.hot_path', 'kvobs.history', 'kvobs.observer', 'kvobs.journal',"
         " 'kvobs.wire.encode'));"
         "print(','.join(bad))"
     )

@@ -30,7 +30,7 @@ arguments, returns its result or lets its exception through untouched, and recor
 it. Taps never raise anything of kvobs's own: faults go to ``on_error(stage, exc)``.
 
 One source, two forms: this module runs as plain Python, and setup.py compiles it with
-mypyc where a C compiler is present (``kvobs.recording`` picks which; docs/design.md).
+mypyc where a C compiler is present (``kvobs.hot_path_loader`` picks which; docs/design.md).
 Nothing here imports vLLM or numpy: the LookupResult members a lookup tap compares against
 are handed in.
 """
@@ -624,7 +624,7 @@ class PolicyTap:
         self.inner = inner
 
     # Defined here too, not only in the subclasses: mypyc 2.4 compiles a __call__ that only a
-    # subclass defines into a class whose instances crash when called (tests/unit/test_recording.py).
+    # subclass defines into a class whose instances crash when called (tests/unit/testhot_path.py).
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
 

@@ -1,6 +1,6 @@
-"""The hot path as kvobs runs it: ``kvobs/_recording.py``, compiled by mypyc when it was built.
+"""The hot path as kvobs runs it: ``kvobs/hot_path.py``, compiled by mypyc when it was built.
 
-One source, two forms. ``pip install`` compiles ``kvobs/_recording.py`` with mypyc where a C
+One source, two forms. ``pip install`` compiles ``kvobs/hot_path.py`` with mypyc where a C
 compiler is present (setup.py); the compiled module then shadows the source. Where it was
 not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same source runs as plain Python,
 with the same behaviour at a higher cost on the scheduler thread (docs/performance.md has both
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 logger = logging.getLogger("kvobs")
 
-_MODULE = "kvobs._recording"
+_MODULE = "kvobs.hot_path"
 
 
 def _forced_python() -> bool:
@@ -29,8 +29,8 @@ def _forced_python() -> bool:
 
 
 def _source_module() -> ModuleType:
-    """``kvobs/_recording.py`` executed as Python, even where a compiled form sits beside it."""
-    spec = importlib.util.spec_from_file_location(_MODULE, Path(__file__).with_name("_recording.py"))
+    """``kvobs/hot_path.py`` executed as Python, even where a compiled form sits beside it."""
+    spec = importlib.util.spec_from_file_location(_MODULE, Path(__file__).with_name("hot_path.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[_MODULE] = module
@@ -46,7 +46,7 @@ def _load() -> tuple[ModuleType, str]:
     if _forced_python():
         return _source_module(), "python"
     try:
-        import kvobs._recording as module
+        import kvobs.hot_path as module
     except ImportError as exc:  # a compiled form that does not load here (another Python, a broken build)
         logger.warning("kvobs: the compiled hot path does not load (%r); running it as Python", exc)
         return _source_module(), "python"
@@ -68,7 +68,7 @@ _PUBLIC = (
 )
 
 if TYPE_CHECKING:  # the same names, typed (re-exported)
-    from kvobs._recording import (
+    from kvobs.hot_path import (
         Breach as Breach,
         ClearTap as ClearTap,
         EvictTap as EvictTap,
