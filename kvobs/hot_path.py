@@ -592,15 +592,21 @@ class LoadTap:
         self.on_near = on_near
 
     def __call__(self, keys: Any, req_context: Any) -> Any:
-        rec = self.rec
         try:
             result = self.inner(keys, req_context)
         except AssertionError as exc:
+            self.redeem(keys, req_context)  # before the diagnosis, which counts these near misses too
             try:
                 self.on_failure(exc, keys, req_context)
             except Exception as fault:
-                rec.on_error("diagnosis", fault)
+                self.rec.on_error("diagnosis", fault)
             raise
+        self.redeem(keys, req_context)
+        return result
+
+    def redeem(self, keys: Any, req_context: Any) -> None:
+        """The load's near misses, the one place they are redeemed, whether the load succeeded or not."""
+        rec = self.rec
         try:
             req_id = req_context.req_id
             broken = rec.promises.redeemed(req_id, keys, rec.recent, rec._serial)
@@ -608,7 +614,6 @@ class LoadTap:
                 self.on_near(req_id, broken)
         except Exception as exc:
             rec.on_error("record.load", exc)
-        return result
 
 
 class PolicyTap:

@@ -227,13 +227,6 @@ class Observer:
             self._each_sink(lambda s, m=misses, r=reason: s.on_near_miss(m, r))  # type: ignore[misc]
         return near
 
-    def redeem_failed_load(self, req_id: str, keys: Iterable[bytes]) -> list[NearMiss]:
-        """The failure side of a load's near misses (the load tap redeems a load that succeeds): the
-        request's promises for ``keys`` redeemed, and those a removal broke counted and published, as
-        :meth:`near_missed` does; them, with their breaches."""
-        recorder = self.recorder
-        return self.near_missed(req_id, self.promises.redeemed(req_id, keys, recorder.recent, recorder.next_serial))
-
     def _settled_in_history(
         self, req_id: str, undecided: Sequence[tuple[bytes, Verdict]]
     ) -> list[tuple[bytes, Verdict]]:

@@ -214,13 +214,10 @@ class ObservedOffloadingManager(OffloadingManager):
     # -- the explanation ------------------------------------------------------------
 
     def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> None:
-        """The load tap's callback on vLLM's assertion: near misses, then the explanation (never raises)."""
+        """The load tap's callback on vLLM's assertion, after it redeemed the near misses: the
+        explanation (never raises)."""
         observer = self._kvobs_observer
-        try:
-            keys = list(keys)
-            observer.redeem_failed_load(req_context.req_id, keys)
-        except Exception as fault:
-            observer.internal_error("record.load", fault)
+        keys = list(keys)
         try:
             vllm_message = str(exc)
             unloadable = self._kvobs_unloadable(list(keys), req_context, vllm_message)
