@@ -6,11 +6,14 @@ Test-only, so it lives here rather than on ``kvobs.observer.Observer``. tests/ i
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvobs.codes import PATH_CODE, REASON_CODE
 from kvobs.observer import Observer
+from kvobs.options import Options
 
 
 def record_removal(
@@ -28,3 +31,14 @@ def record_removal(
         path=PATH_CODE[path], req_id=req_id,
     )
     observer.drain()
+
+
+def journal_one_removal(directory: Path, *, engine: str = "0", model_name: str = "m") -> None:
+    """An engine that journals one capacity removal into ``directory``, then closes: what a sidecar reads."""
+    from kvobs.journal import JournalSink
+
+    observer = Observer(Options(engine=engine, model_name=model_name))
+    sink = JournalSink(directory, observer)
+    observer.add_sink(sink)
+    record_removal(observer, [os.urandom(36)], "capacity", "store", "r", [0.5])
+    sink.close()

@@ -4,10 +4,9 @@ engine's identity (``model_name``, ``engine``) travels with every record and rep
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from removals import record_removal
+from removals import journal_one_removal, record_removal
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import KEEP_SEGMENTS, REPORT_BYTES, JournalSink, disk_bound
@@ -72,11 +71,7 @@ def test_a_huge_report_is_cut_to_its_bound_and_still_read(tmp_path: Path) -> Non
 
 def test_model_name_and_engine_label_every_series_and_not_the_sidecars(tmp_path: Path) -> None:
     for model, engine in (("llama", "0"), ("llama", "1"), ("mistral", "0")):
-        observer = Observer(Options(engine=engine, model_name=model))
-        sink = JournalSink(tmp_path, observer)
-        observer.add_sink(sink)
-        record_removal(observer, [os.urandom(36)], "capacity", "store", "r", [0.5])
-        sink.close()
+        journal_one_removal(tmp_path, engine=engine, model_name=model)
     ingest = Ingest(tmp_path)
     ingest.poll()
     samples = [s for family in KvobsCollector(ingest).collect() for s in family.samples]

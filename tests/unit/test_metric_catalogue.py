@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from removals import record_removal
+from removals import journal_one_removal
 
 from kvobs import metric_catalogue
 from kvobs.codes import SURVIVE_COUNTS
-from kvobs.journal import JournalSink
 from kvobs.metric_catalogue import METRIC, METRICS, exposed_name
-from kvobs.observer import Observer
-from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 
@@ -23,11 +19,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_sidecar_publishes_every_catalogued_metric_as_catalogued(tmp_path: Path) -> None:
-    observer = Observer(Options(engine="0", model_name="m"))
-    sink = JournalSink(tmp_path, observer)
-    observer.add_sink(sink)
-    record_removal(observer, [os.urandom(36)], "capacity", "store", "r", [0.5])
-    sink.close()
+    journal_one_removal(tmp_path)
     ingest = Ingest(tmp_path)
     ingest.poll()
     families = {family.name: family for family in KvobsCollector(ingest).collect()}
