@@ -95,11 +95,35 @@ def ends_with_signals() -> Iterator[None]:
     handlers come back after), so the caller's ``finally`` stops its children."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        raise Stopped(signum)
+        _stop_requested.append(signum)
+        if not _deferring:
+            raise Stopped(signum)
 
+    _stop_requested.clear()
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+_stop_requested: list[int] = []
+_deferring: list[bool] = []
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Inside :func:`ends_with_signals`: a stop signal that comes in here is acted on when it ends.
+
+    For imports: an exception raised in the middle of importing a C extension leaves that module
+    unloadable for the rest of the process (numpy: "cannot load module more than once per process"),
+    and a library's ``except ImportError`` around such an import swallows it, so the process went
+    on as if never asked (seen: ``kvobs demo`` hung on a SIGHUP while importing vLLM)."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if _stop_requested and not _deferring:
+        raise Stopped(_stop_requested[0])

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvobs.children import Stopped, ends_with_signals, start_child, stop_child
+from kvobs.children import Stopped, ends_with_signals, start_child, stop_child, stops_deferred
 from kvobs.versions import SUPPORTED_VLLM, minor
 
 if TYPE_CHECKING:
@@ -148,9 +148,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     sidecar = _start_sidecar(directory, args.port)  # it starts while vLLM loads
     try:
         started = time.monotonic()
-        from vllm import __version__ as vllm_version
+        with stops_deferred():  # a stop signal during these imports ends the demo after them
+            from vllm import __version__ as vllm_version
 
-        from kvobs.demo.workload import Workload
+            from kvobs.demo.workload import Workload
 
         # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
         # store in the small CPU tier) would bury them. After the import: vLLM sets its level then.

@@ -205,7 +205,12 @@ def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: 
         while time.monotonic() < deadline and http_get_ok(f"http://127.0.0.1:{port}/healthz") is False:
             time.sleep(0.1)
         demo.send_signal(sig)
-        status = demo.wait(timeout=30)
+        try:
+            status = demo.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            err = demo.communicate()[1] or b""
+            raise AssertionError(f"the demo did not end within 30 s of {sig.name}: {err.decode()[-3000:]}") from None
         deadline = time.monotonic() + 15
         while _alive(sidecar) and time.monotonic() < deadline:
             time.sleep(0.1)
