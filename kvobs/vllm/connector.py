@@ -61,12 +61,12 @@ class ObservedOffloadingConnector(OffloadingConnector):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
         survival = self._kvobs_survival
-        plan = None if survival is None else survival.take_plan(request.request_id)
-        if plan is not None:
+        first_unreadable = None if survival is None else survival.take_first_unreadable(request.request_id)
+        if first_unreadable is not None:
             assert self.connector_scheduler is not None and survival is not None
             try:
                 dst, first_index, per_chunk = compat.load_destination(self.connector_scheduler, request.request_id)
-                failed = failed_blocks(plan, dst, first_index, per_chunk)
+                failed = failed_blocks(first_unreadable, dst, first_index, per_chunk)
             except Exception as exc:  # then every block of the request: more recomputed, nothing wrong kept
                 survival.internal_error(exc)
                 failed = [block.block_id for block in blocks.blocks[0] if not block.is_null]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from kvobs.vllm import compat
 
@@ -31,13 +31,6 @@ logger = logging.getLogger("kvobs")
 
 SURVIVED_ATTRIBUTE = "kvobs_failed_block_ids"
 """The connector metadata's attribute carrying the GPU blocks to report as failed loads."""
-
-
-class Plan(NamedTuple):
-    """A load survive mode turned into a recompute: the first unreadable key's index, of how many."""
-
-    first_unreadable: int
-    num_keys: int
 
 
 class Survival:
@@ -51,7 +44,7 @@ class Survival:
                           "kv_connector_module_path kvobs.vllm.connector)")
         self._said_not_armed = False
         self._unpinned: Counter[Any] = Counter()
-        self._plans: dict[str, Plan] = {}
+        self._first_unreadable: dict[str, int] = {}  # req_id -> index in its load's keys, for the connector
         self._spec: Any = None
         self.recomputed_requests: set[str] = set()
         """Requests whose load was recomputed: they load nothing more until they finish (no loop)."""
@@ -69,8 +62,8 @@ class Survival:
                                self.not_armed)
             return False
         req_id = req_context.req_id
-        positions = {key: i for i, key in reversed(list(enumerate(keys)))}
-        first = min((positions[u.key] for u in unloadable if u.key in positions), default=None)
+        unreadable = {u.key for u in unloadable}
+        first = next((i for i, key in enumerate(keys) if key in unreadable), None)
         if first is None or repr(keys[first]) not in vllm_message or req_id in self.recomputed_requests:
             return False  # not the chunk vLLM asserted on (what it pinned is unknown), or a second time
         try:
@@ -80,10 +73,10 @@ class Survival:
             spec = self._inner.prepare_load(present, req_context)
             self._spec = compat.padded_load_spec(spec, len(keys) - first)
         except Exception as exc:  # vLLM's assertion goes on; the engine stops as without kvobs
-            self._observer.internal_error("survive", exc)
+            self.internal_error(exc)
             return False
         self._unpinned.update(keys[first:])
-        self._plans[req_id] = Plan(first, len(keys))
+        self._first_unreadable[req_id] = first
         self.recomputed_requests.add(req_id)
         return True
 
@@ -128,17 +121,19 @@ class Survival:
     def internal_error(self, exc: BaseException) -> None:
         self._observer.internal_error("survive", exc)
 
-    def take_plan(self, req_id: str) -> Plan | None:
-        return self._plans.pop(req_id, None)
+    def take_first_unreadable(self, req_id: str) -> int | None:
+        """The index of the first unreadable key of the load just recomputed for ``req_id``, if one was."""
+        return self._first_unreadable.pop(req_id, None)
 
     def finished(self, req_id: str) -> None:
         self.recomputed_requests.discard(req_id)
-        self._plans.pop(req_id, None)
+        self._first_unreadable.pop(req_id, None)
 
 
-def failed_blocks(plan: Plan, dst_block_ids: Sequence[int], first_block_index: int, blocks_per_chunk: int) -> list[int]:
+def failed_blocks(first_unreadable: int, dst_block_ids: Sequence[int], first_block_index: int,
+                  blocks_per_chunk: int) -> list[int]:
     """The GPU blocks of a load from its first unreadable chunk on: that chunk's first block in the
     request, or the load's first block when the load entered that chunk part-way."""
     first_chunk = first_block_index // blocks_per_chunk
-    start = max(0, (first_chunk + plan.first_unreadable) * blocks_per_chunk - first_block_index)
+    start = max(0, (first_chunk + first_unreadable) * blocks_per_chunk - first_block_index)
     return list(dst_block_ids[start:])
