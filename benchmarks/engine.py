@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from benchmarks._common import arg_parser, median, paired_ratios, print_table, spread, write_json
+from benchmarks.engine_attribution import ATTRIBUTE_ENV
 from benchmarks.engine_scheduler import STATS_ENV, read_stats
 from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
 
@@ -60,7 +61,7 @@ def engine_core(server: VllmServer) -> psutil.Process:
     raise RuntimeError("no EngineCore process under the API server")
 
 
-def start(side: str, python: Path, model: Path, base: Path) -> tuple[VllmServer, Path]:
+def start(side: str, python: Path, model: Path, base: Path, *, attribute: bool = False) -> tuple[VllmServer, Path]:
     stats = base / f"{side}.stats"
     kvobs: dict[str, Any] | None = None if side == "bare" else {}
     if side == "kvobs+journal":
@@ -72,7 +73,8 @@ def start(side: str, python: Path, model: Path, base: Path) -> tuple[VllmServer,
         python=python, model=model, log_path=base / f"{side}.log", python_path=(ROOT,), launcher=launcher,
         kv_transfer_config=offload_config(kvobs_options=kvobs, spec_options={"cpu_bytes_to_use": BENCH_CPU_TIER_BYTES}),
         extra_args=["--scheduler-cls", "benchmarks.engine_scheduler.TimedScheduler"],
-        env={STATS_ENV: str(stats), "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"},
+        env={STATS_ENV: str(stats), "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1",
+             **({ATTRIBUTE_ENV: "1"} if attribute else {})},
     )
     return server.start(), stats
 
@@ -87,20 +89,40 @@ def one_run(server: VllmServer, stats: Path, prompts: list[str], core: psutil.Pr
     wall = time.perf_counter() - started
     time.sleep(0.5)  # the step after the last request (its stores complete) is part of the run
     after, cpu_after, work_after = read_stats(str(stats)), core.cpu_times(), counters(server)
-    steps = after[1] - before[1]
+    delta = {name: after[name] - before[name] for name in after}
+    steps = max(delta["steps"], 1)
     return {
         "tokens_per_s": tokens / wall,
-        "scheduler_cpu_us_per_step": (after[0] - before[0]) / 1e3 / max(steps, 1),
+        "scheduler_cpu_us_per_step": delta["cpu_ns"] / 1e3 / steps,
         "engine_core_cpu_s": (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system),
-        "steps": steps,
+        "steps": delta["steps"],
         **{f"work_{k}": work_after[k] - work_before[k] for k in work_after},
+        **({} if not delta["timed_calls"] else attributed(delta, wall, steps)),
+    }
+
+
+def attributed(delta: dict[str, int], wall_s: float, steps: int) -> dict[str, float]:
+    """kvobs's shares inside one engine (benchmarks/engine_attribution.py). Its scheduler-thread time
+    is wall time in its own code: counted as CPU, it errs high when the thread is preempted there."""
+    kvobs_ns = delta["kvobs_ns"] + delta["journal_cpu_ns"]
+    return {
+        "kvobs_us_per_step": delta["kvobs_ns"] / 1e3 / steps,
+        "timed_calls_per_step": delta["timed_calls"] / steps,
+        "kvobs_share_of_scheduler": delta["kvobs_ns"] / max(delta["wall_ns"], 1),
+        "journal_cpu_s": delta["journal_cpu_ns"] / 1e9,
+        "kvobs_share_of_engine_core_cpu": kvobs_ns / max(delta["process_cpu_ns"], 1),
+        # an upper bound: as if all of kvobs's time, the writer thread's too, were on the step's critical path
+        "throughput_cost_bound": kvobs_ns / 1e9 / wall_s,
     }
 
 
 def main() -> int:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--engine-python", type=Path, required=True, help="python of a vllm-cpu venv")
+    parser.add_argument("--attribute", action="store_true",
+                        help="kvobs's share inside each kvobs engine (benchmarks/engine_attribution.py), no A/B")
     args = parser.parse_args()
+    sides = SIDES[1:] if args.attribute else SIDES
     runs = args.runs or (1 if args.quick else 7)
     base = Path(tempfile.mkdtemp(prefix="kvobs-engine-bench-"))
     build = subprocess.run([str(args.engine_python), "-m", "kvobs.demo.tiny_model", str(base / "model"), "llama"],
@@ -110,10 +132,10 @@ def main() -> int:
         return 1
     model = base / "model"
     servers: dict[str, tuple[VllmServer, Path]] = {}
-    results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     try:
-        for side in SIDES:
-            servers[side] = start(side, args.engine_python, model, base)
+        for side in sides:
+            servers[side] = start(side, args.engine_python, model, base, attribute=args.attribute)
             print(f"started {side} (log {servers[side][0].log_path})", flush=True)
         cores = {side: engine_core(server) for side, (server, _) in servers.items()}
         warm = shared_prefix_workload(seed=10_000, rounds=1, documents_count=2, fillers=0)
@@ -122,21 +144,40 @@ def main() -> int:
                 server.complete(prompt, max_tokens=4)
         for i in range(runs):
             prompts = shared_prefix_workload(seed=i, rounds=2 if args.quick else 3)
-            order = SIDES if i % 2 == 0 else tuple(reversed(SIDES))  # alternate who goes first
+            order = sides if i % 2 == 0 else tuple(reversed(sides))  # alternate who goes first
             for side in order:
                 server, stats = servers[side]
                 results[side].append(one_run(server, stats, prompts, cores[side]))
             print(f"round {i + 1}/{runs}: " + ", ".join(
                 f"{s} {results[s][-1]['tokens_per_s']:.0f} tok/s, "
-                f"{results[s][-1]['scheduler_cpu_us_per_step']:.0f} us/step" for s in SIDES), flush=True)
+                f"{results[s][-1]['scheduler_cpu_us_per_step']:.0f} us/step" for s in sides), flush=True)
     finally:
         for server, _ in servers.values():
             server.stop()
 
-    summary = summarize(results)
+    summary = summarize_shares(results) if args.attribute else summarize(results)
     write_json(args.json, "engine", {"runs": runs, "results": results, "summary": summary})
     shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+SHARES = ("kvobs_us_per_step", "timed_calls_per_step", "kvobs_share_of_scheduler", "journal_cpu_s",
+          "kvobs_share_of_engine_core_cpu", "throughput_cost_bound")
+
+
+def summarize_shares(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    rows: list[tuple[Any, ...]] = []
+    summary: dict[str, Any] = {}
+    for side, runs in results.items():
+        summary[side] = {}
+        for metric in SHARES:
+            values = [run[metric] for run in runs]
+            summary[side][metric] = {"median": median(values), "min": min(values), "max": max(values),
+                                     "spread": spread(values)}
+            rows.append((side, metric, median(values), f"{min(values):.4g}..{max(values):.4g}", len(values)))
+    print_table("kvobs's share inside the engine (one engine per side, every run)",
+                ("side", "metric", "median", "min..max", "runs"), rows)
+    return summary
 
 
 def same_work(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -145,7 +186,8 @@ def same_work(a: dict[str, float], b: dict[str, float]) -> bool:
 
 def summarize(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     bare = results["bare"]
-    rows, summary = [], {}
+    rows: list[tuple[Any, ...]] = []
+    summary: dict[str, Any] = {}
     for side in SIDES[1:]:
         pairs = [(o, b) for o, b in zip(results[side], bare, strict=True) if same_work(o, b)]
         entry: dict[str, Any] = {"pairs": len(bare), "pairs_with_equal_work": len(pairs)}

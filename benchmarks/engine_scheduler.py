@@ -19,13 +19,21 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from benchmarks import engine_attribution
+
 STATS_ENV = "KVOBS_BENCH_SCHEDULER_STATS"
-LAYOUT = struct.Struct("<qqq")  # scheduler CPU ns, steps, scheduler wall ns
+# scheduler CPU ns, steps, scheduler wall ns; with KVOBS_BENCH_ATTRIBUTE (benchmarks/engine_attribution.py)
+# also kvobs's and vLLM's exclusive ns in timed calls, timed calls, the journal thread's and the process's CPU ns
+LAYOUT = struct.Struct("<qqqqqqqq")
+FIELDS = ("cpu_ns", "steps", "wall_ns", "kvobs_ns", "vllm_ns", "timed_calls", "journal_cpu_ns", "process_cpu_ns")
+ATTRIBUTING = bool(os.environ.get(engine_attribution.ATTRIBUTE_ENV))
+if ATTRIBUTING:
+    engine_attribution.install()  # before the scheduler builds the connector, its spec and kvobs's manager
 
 
-def read_stats(path: str) -> tuple[int, int, int]:
+def read_stats(path: str) -> dict[str, int]:
     with open(path, "rb") as f:
-        return LAYOUT.unpack(f.read(LAYOUT.size))  # type: ignore[return-value]
+        return dict(zip(FIELDS, LAYOUT.unpack(f.read(LAYOUT.size)), strict=True))
 
 
 class TimedScheduler(Scheduler):
@@ -42,7 +50,12 @@ class TimedScheduler(Scheduler):
         self._cpu += cpu
         self._wall += wall
         self._steps += step
-        LAYOUT.pack_into(self._stats, 0, self._cpu, self._steps, self._wall)
+        if ATTRIBUTING:
+            attributed = (*engine_attribution.exclusive, sum(engine_attribution.calls),
+                          engine_attribution.journal_thread_cpu_ns(), time.process_time_ns())
+        else:
+            attributed = (0, 0, 0, 0, 0)
+        LAYOUT.pack_into(self._stats, 0, self._cpu, self._steps, self._wall, *attributed)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
