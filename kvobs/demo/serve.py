@@ -101,7 +101,8 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"  vLLM is up at {server.url}; log: {server.log_path}")
         prompts = shared_prefix_workload(seed=args.seed, rounds=args.rounds)
         _say(f"\n1. Serving {len(prompts)} completions that share long prefixes; the engine's own cache holds"
-             " fewer than they need, so chunks go to the CPU tier, are evicted from it and come back.")
+             " fewer than they need, so chunks go to the CPU tier and come back; from 3 rounds (the default) on"
+             " the CPU tier fills and evicts too.")
         for prompt in prompts:
             server.complete(prompt, max_tokens=12)
         vllm_text, sidecar_text = server.metrics(), _get(f"{url}/metrics").decode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,7 @@ def test_the_production_tier_in_a_real_engine_restores_the_kv_it_stored(
     evictions = journal_removal_paths(directory)
     assert evictions, "kvobs journaled no removal from the CPU tier"
     assert set(evictions) <= set(PATHS) - {"unobserved"}, evictions
+    assert evictions["lookup"] > 0, evictions  # promotions from the files evict from inside lookup()
     assert not re.search(r"kvobs internal error", server.log())
 
 
@@ -116,22 +118,34 @@ def test_two_data_parallel_engines_one_sidecar(
     engine_python: Path, tiny_llama: Path, tmp_path: Path, engines: list[VllmServer]
 ) -> None:
     """``--data-parallel-size 2``: two EngineCores, each with kvobs, labelled ``engine`` "0" and "1" as
-    vLLM labels them, read by one sidecar."""
+    vLLM labels them, read by one sidecar, each engine's evictions under its own label. Two clients at
+    once, so that vLLM's balancer gives both engines work; a small CPU tier, so that both evict."""
     directory = tmp_path / "kvobs"
     server = serve(engine_python, tiny_llama, tmp_path / "dp.log", served_model_name=SERVED,
                    kv_transfer_config=offload_config(kvobs_options={"dir": str(directory)},
-                                                     connector="ObservedOffloadingConnector"),
+                                                     connector="ObservedOffloadingConnector",
+                                                     spec_options={"cpu_bytes_to_use": 1_000_000}),
                    extra_args=["--data-parallel-size", "2"])
     engines.append(server)
-    completions(server, shared_prefix_workload(seed=4, rounds=2))
+    prompts = shared_prefix_workload(seed=4, rounds=3)
+    with ThreadPoolExecutor(max_workers=2) as clients:
+        list(clients.map(lambda half: completions(server, half), (prompts[0::2], prompts[1::2])))
     sidecar = Sidecar(directory).start()
     try:
-        def engines_seen() -> set[str]:
+        def evicted_by_engine() -> dict[str, float]:
             text = http_get(f"{sidecar.url}/metrics")[2].decode()
-            counts = samples(text, "kvobs_evicted_chunks")
-            return {dict(labels)["engine"] for labels in counts if dict(labels)["model_name"] == SERVED}
+            out: dict[str, float] = {}
+            for labels, value in samples(text, "kvobs_evicted_chunks").items():
+                if dict(labels)["model_name"] == SERVED:
+                    out[dict(labels)["engine"]] = out.get(dict(labels)["engine"], 0.0) + value
+            return out
 
-        assert wait_for(lambda: engines_seen() == {"0", "1"} and engines_seen(), what="both engines") == {"0", "1"}
+        def both_evicted() -> dict[str, float] | None:
+            counts = evicted_by_engine()
+            return counts if set(counts) == {"0", "1"} and all(counts.values()) else None
+
+        seen = wait_for(both_evicted, what="evictions of both engines")
+        assert set(seen) == {"0", "1"} and min(seen.values()) > 0, seen
     finally:
         sidecar.stop()
 
