@@ -3,11 +3,14 @@
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
 gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
 
-``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503; either way it lists
+``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503 (``status`` "first
+ingest round running" until the first round ends, which a long journal replay makes minutes; then
+"ingest stalled"); either way it lists
 what the sidecar cannot read (``cannot_read``: another uid's files read as an empty directory
 otherwise, and a blind sidecar must not look healthy to the person who asks).
 
-``GET /livez``: 200 whenever the HTTP server answers. Kubernetes's liveness probe reads this, not
+``GET /livez``: 200 whenever the HTTP server answers, from the moment it is bound (the first ingest
+round runs in the ingest thread, not before the server starts). Kubernetes's liveness probe reads this, not
 /healthz: restarting the sidecar for a slow ingest would not make it read faster, and while a
 container restarts its pod is not Ready, which takes vLLM out of its Service.
 
@@ -335,9 +338,15 @@ class Handler(BaseHTTPRequestHandler):
                 unreadable = sorted(ingest.unreadable.items())
             age = time.time() - ingest.last_poll if ingest.last_poll else None
             healthy = age is not None and age < 30
+            if healthy:
+                status = "ok"
+            elif age is None and ingest.errors == 0:  # no round has ended, none has failed: the first runs
+                status = "first ingest round running"
+            else:
+                status = "ingest stalled"
             self._json(
                 HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE,
-                {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age,
+                {"status": status, "engines": engines, "last_ingest_age_s": age,
                  "unreadable_files": len(unreadable),
                  "cannot_read": [{"path": path, "error": error} for path, error in unreadable[:HEALTHZ_UNREADABLE]]},
             )
@@ -411,9 +420,11 @@ def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: 
         server = SidecarServer((host, port), ingest, token)
     except OSError as exc:
         raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    # The first ingest round runs in the worker, not before serve_forever(): it can take minutes (a long
+    # journal replay), and /livez must answer from the bind (Kubernetes counts the sidecar, which has
+    # no readiness probe, ready once its startup probe on /livez passes: the whole vLLM pod waits on it).
     if ready is not None:
         ready(http_url(host, server.server_address[1], "/metrics"))
-    ingest.poll()
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
     worker.start()
     try:

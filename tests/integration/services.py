@@ -41,10 +41,10 @@ def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condi
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
-def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 10) -> tuple[int, str, bytes]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.headers.get("Content-Type", ""), response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.headers.get("Content-Type", ""), err.read()
