@@ -53,15 +53,18 @@ def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 1
 class Sidecar:
     """``kvobs serve`` as a separate process, as in production."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *args: str) -> None:
+        """``args``: more options of ``kvobs serve`` (e.g. ``--token-file PATH``)."""
         self.dir = directory
+        self.args = args
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Sidecar:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a deployment's volume exists before it starts
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port)],
+            [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port),
+             *self.args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         wait_for(lambda: http_get(f"{self.url}/healthz")[0] == 200, what="sidecar /healthz")
