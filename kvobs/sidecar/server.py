@@ -7,7 +7,9 @@ gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper se
 ingest round running" until the first round ends, which a long journal replay makes minutes; then
 "ingest stalled"); either way it lists
 what the sidecar cannot read (``cannot_read``: another uid's files read as an empty directory
-otherwise, and a blind sidecar must not look healthy to the person who asks).
+otherwise, and a blind sidecar must not look healthy to the person who asks: with no engine read
+and paths it cannot read, its 200's ``status`` says "reads no engine and cannot read N paths"
+instead of "ok"; the code stays 200, /healthz being about ingest, not readiness).
 
 ``GET /livez``: 200 whenever the HTTP server answers, from the moment it is bound (the first ingest
 round runs in the ingest thread, not before the server starts). Kubernetes's liveness probe reads this, not
@@ -338,7 +340,10 @@ class Handler(BaseHTTPRequestHandler):
                 unreadable = sorted(ingest.unreadable.items())
             age = time.time() - ingest.last_poll if ingest.last_poll else None
             healthy = age is not None and age < 30
-            if healthy:
+            if healthy and engines == 0 and unreadable:  # reading, but blind: not "ok", though still 200
+                paths = f"{len(unreadable)} path{'s' * (len(unreadable) != 1)}"
+                status = f"reads no engine and cannot read {paths} (cannot_read)"
+            elif healthy:
                 status = "ok"
             elif age is None and ingest.errors == 0:  # no round has ended, none has failed: the first runs
                 status = "first ingest round running"

@@ -203,9 +203,13 @@ def test_a_sidecar_of_another_uid_says_what_it_cannot_read(tmp_path: Path) -> No
                           and h, what="the unreadable paths in /healthz")
         time.sleep(6)  # past a checkpoint interval: the failed write must not count as an internal error
         values = scrape(url)
-        health = json.loads(http_get(f"{url}/healthz")[2])
+        health_code, _, body = http_get(f"{url}/healthz")
+        health = json.loads(body)
     finally:
         stop(proc)
+    # Still 200 (the ingest runs: /healthz is no readiness signal), but its status does not say "ok".
+    n = health["unreadable_files"]
+    assert health_code == 200 and health["status"] == f"reads no engine and cannot read {n} paths (cannot_read)", health
     paths = {entry["path"] for entry in health["cannot_read"]}
     assert {str(directory / "journal"), str(directory / "failures"), str(directory / CHECKPOINT)} <= paths, health
     assert health["engines"] == 0 and health["unreadable_files"] == len(health["cannot_read"])
