@@ -426,8 +426,9 @@ def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: 
     except OSError as exc:
         raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     # The first ingest round runs in the worker, not before serve_forever(): it can take minutes (a long
-    # journal replay), and /livez must answer from the bind (Kubernetes counts the sidecar, which has
-    # no readiness probe, ready once its startup probe on /livez passes: the whole vLLM pod waits on it).
+    # journal replay), and /livez must answer from the bind. A pod is Ready only when every container
+    # is, and a container with a startup probe only once that passes: a sidecar that answered late
+    # would hold the whole vLLM pod NotReady (docker/k8s/vllm-kvobs.yaml gives it liveness only).
     if ready is not None:
         ready(http_url(host, server.server_address[1], "/metrics"))
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
