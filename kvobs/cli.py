@@ -156,6 +156,15 @@ def _explain(args: argparse.Namespace) -> int:
         scan_log,
     )
 
+    token = None
+    try:
+        if args.token_file is not None and not args.sidecar:
+            raise UsageError("--token-file needs --sidecar (it is the token the sidecar's /api/v1/failures requires)")
+        if args.sidecar:
+            token = _read_token(args)  # --token-file, else KVOBS_TOKEN_FILE: as kvobs serve reads it
+    except UsageError as exc:
+        print(f"kvobs explain: {exc}", file=sys.stderr)
+        return 2
     sources = args.logs or ["-"]
     if sources == ["-"] and sys.stdin.isatty():
         print("kvobs explain: give a vLLM log file, or pipe one in (kvobs explain - < vllm.log)", file=sys.stderr)
@@ -177,7 +186,8 @@ def _explain(args: argparse.Namespace) -> int:
             if args.dir:
                 add_directory_evidence(entries, Path(args.dir))
             if args.sidecar:
-                scan.damage.extend(add_sidecar_evidence(entries, args.sidecar))  # where paging stopped, if it did
+                # where paging stopped, if it did
+                scan.damage.extend(add_sidecar_evidence(entries, args.sidecar, token))
             found_any = found_any or bool(entries)
             if args.json:
                 results.append({"source": name, "assertions": as_json(entries), "not_shown": scan.not_shown,
@@ -258,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("logs", nargs="*", metavar="LOG", help="vLLM log files ('-' or none: standard input)")
     explain.add_argument("--dir", help="a kvobs directory (KVOBS_DIR): failure reports and journaled removals")
     explain.add_argument("--sidecar", metavar="URL", help="a running sidecar, e.g. http://127.0.0.1:9464")
+    explain.add_argument("--token-file", default=None, metavar="PATH",
+                         help="with --sidecar: file holding the bearer token the sidecar requires (kvobs serve "
+                              "--token-file's; a trailing newline ignored; default: $KVOBS_TOKEN_FILE, else none)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=_explain)
     return root

@@ -327,10 +327,11 @@ def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[st
                 }
 
 
-def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
+def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes | None = None) -> list[str]:
     """Failure reports from a running sidecar's /api/v1/failures, every page (the API's ``next``)
     until it is null, at most ``MAX_SIDECAR_PAGES`` pages and ``SIDECAR_DEADLINE_S``; the notes
-    returned say where it stopped when it did not read them all."""
+    returned say where it stopped when it did not read them all. ``token``: the bearer token a
+    sidecar run with ``--token-file`` requires (sent as ``Authorization: Bearer``)."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ExplainError(f"--sidecar {url}: expected an http:// or https:// URL")
@@ -342,7 +343,7 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
             bound = f"{MAX_SIDECAR_PAGES} pages" if pages >= MAX_SIDECAR_PAGES else f"{SIDECAR_DEADLINE_S:.0f} s"
             return [f"--sidecar: stopped after {pages} pages ({read} reports, the bound is {bound}); older "
                     f"reports were not read (next: {base}{page[:200]}); narrow with --dir or read the API"]
-        reports, page = _sidecar_page(base, page, url)
+        reports, page = _sidecar_page(base, page, url, token)
         pages += 1
         read += len(reports)
         for report in reports:
@@ -353,14 +354,21 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
     return []
 
 
-def _sidecar_page(base: str, page: str, url: str) -> tuple[list[Any], str | None]:
+def _sidecar_page(base: str, page: str, url: str, token: bytes | None = None) -> tuple[list[Any], str | None]:
     """One page of reports and the relative URL of the next (None: the last page)."""
     endpoint = base + page
+    headers = {} if token is None else {"Authorization": "Bearer " + token.decode("ascii")}
     try:
-        with urllib.request.urlopen(endpoint, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, headers=headers), timeout=10) as response:
             body = response.read(64 * MAX_REPORT_BYTES)
         data = json.loads(body)
         reports, following = data["failures"], data.get("next")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            given = "the token of --token-file was refused" if token else "it requires a bearer token"
+            raise ExplainError(f"--sidecar {url}: {endpoint} answered 401: {given} (give the file the sidecar's "
+                               "--token-file reads: --token-file PATH)") from exc
+        raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
     except (OSError, urllib.error.URLError) as exc:
         raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:

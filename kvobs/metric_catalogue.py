@@ -79,7 +79,8 @@ METRICS: tuple[MetricDef, ...] = (
               "Files and directories of the kvobs directory the sidecar cannot read or write now "
               "(/healthz names them).", per_engine=False),
     MetricDef("kvobs_sidecar_engines", "gauge", (), "Engines the sidecar has seen.", per_engine=False),
-    MetricDef("kvobs_sidecar_last_poll_timestamp_seconds", "gauge", (), "Wall time of the last ingest round.",
+    MetricDef("kvobs_sidecar_last_poll_timestamp_seconds", "gauge", (),
+              "Wall time the last ingest round ended (0 until the first round ends).",
               per_engine=False),
 )
 METRIC: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -3,11 +3,16 @@
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
 gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
 
-``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503; either way it lists
+``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503 (``status`` "first
+ingest round running" until the first round ends, which a long journal replay makes minutes; then
+"ingest stalled"); either way it lists
 what the sidecar cannot read (``cannot_read``: another uid's files read as an empty directory
-otherwise, and a blind sidecar must not look healthy to the person who asks).
+otherwise, and a blind sidecar must not look healthy to the person who asks: with no engine read
+and paths it cannot read, its 200's ``status`` says "reads no engine and cannot read N paths"
+instead of "ok"; the code stays 200, /healthz being about ingest, not readiness).
 
-``GET /livez``: 200 whenever the HTTP server answers. Kubernetes's liveness probe reads this, not
+``GET /livez``: 200 whenever the HTTP server answers, from the moment it is bound (the first ingest
+round runs in the ingest thread, not before the server starts). Kubernetes's liveness probe reads this, not
 /healthz: restarting the sidecar for a slow ingest would not make it read faster, and while a
 container restarts its pod is not Ready, which takes vLLM out of its Service.
 
@@ -335,9 +340,18 @@ class Handler(BaseHTTPRequestHandler):
                 unreadable = sorted(ingest.unreadable.items())
             age = time.time() - ingest.last_poll if ingest.last_poll else None
             healthy = age is not None and age < 30
+            if healthy and engines == 0 and unreadable:  # reading, but blind: not "ok", though still 200
+                paths = f"{len(unreadable)} path{'s' * (len(unreadable) != 1)}"
+                status = f"reads no engine and cannot read {paths} (cannot_read)"
+            elif healthy:
+                status = "ok"
+            elif age is None and ingest.errors == 0:  # no round has ended, none has failed: the first runs
+                status = "first ingest round running"
+            else:
+                status = "ingest stalled"
             self._json(
                 HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE,
-                {"status": "ok" if healthy else "ingest stalled", "engines": engines, "last_ingest_age_s": age,
+                {"status": status, "engines": engines, "last_ingest_age_s": age,
                  "unreadable_files": len(unreadable),
                  "cannot_read": [{"path": path, "error": error} for path, error in unreadable[:HEALTHZ_UNREADABLE]]},
             )
@@ -411,9 +425,12 @@ def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: 
         server = SidecarServer((host, port), ingest, token)
     except OSError as exc:
         raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    # The first ingest round runs in the worker, not before serve_forever(): it can take minutes (a long
+    # journal replay), and /livez must answer from the bind. A pod is Ready only when every container
+    # is, and a container with a startup probe only once that passes: a sidecar that answered late
+    # would hold the whole vLLM pod NotReady (docker/k8s/vllm-kvobs.yaml gives it liveness only).
     if ready is not None:
         ready(http_url(host, server.server_address[1], "/metrics"))
-    ingest.poll()
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
     worker.start()
     try:

@@ -41,10 +41,10 @@ def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condi
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
-def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 10) -> tuple[int, str, bytes]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.headers.get("Content-Type", ""), response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.headers.get("Content-Type", ""), err.read()
@@ -53,15 +53,18 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str,
 class Sidecar:
     """``kvobs serve`` as a separate process, as in production."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *args: str) -> None:
+        """``args``: more options of ``kvobs serve`` (e.g. ``--token-file PATH``)."""
         self.dir = directory
+        self.args = args
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Sidecar:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a deployment's volume exists before it starts
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port)],
+            [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port),
+             *self.args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         wait_for(lambda: http_get(f"{self.url}/healthz")[0] == 200, what="sidecar /healthz")

@@ -125,6 +125,36 @@ def test_sidecar_url_serves_the_failure_report(logs: dict[str, Path]) -> None:
     assert "kvobs failure report" in run.stdout and "cause evicted_after_lookup" in run.stdout
 
 
+def test_sidecar_with_a_bearer_token_is_read_with_token_file(logs: dict[str, Path], tmp_path: Path) -> None:
+    """A sidecar run with --token-file (its /api/v1/failures answers 401 without the token): explain
+    sends the token of its own --token-file (kvobs serve's semantics: one token, a trailing newline
+    ignored; a missing or empty file is a usage error), and without it says which option it needs."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")  # as a mounted Secret may end in a newline
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    sidecar = Sidecar(logs["dir"], "--token-file", str(token_file)).start()
+    try:
+        bare = str(logs["bare"])
+        with_token = explain(bare, "--sidecar", sidecar.url, "--token-file", str(token_file))
+        without = explain(bare, "--sidecar", sidecar.url)
+        wrong_token = explain(bare, "--sidecar", sidecar.url, "--token-file", str(wrong))
+        missing = explain(bare, "--sidecar", sidecar.url, "--token-file", str(tmp_path / "nope"))
+        blank = explain(bare, "--sidecar", sidecar.url, "--token-file", str(empty))
+        no_sidecar = explain(bare, "--dir", str(logs["dir"]), "--token-file", str(token_file))
+    finally:
+        sidecar.stop()
+    assert with_token.returncode == 0, with_token.stderr
+    assert "kvobs failure report" in with_token.stdout and "cause evicted_after_lookup" in with_token.stdout
+    for run in (without, wrong_token):
+        assert run.returncode == 2 and "401" in run.stderr and "--token-file" in run.stderr, run.stderr
+    assert missing.returncode == 2 and "cannot read the token file" in missing.stderr, missing.stderr
+    assert blank.returncode == 2 and "token file" in blank.stderr, blank.stderr
+    assert no_sidecar.returncode == 2 and "--token-file needs --sidecar" in no_sidecar.stderr, no_sidecar.stderr
+
+
 def test_standard_input_and_no_assertion(logs: dict[str, Path]) -> None:
     run = explain("-", stdin=logs["bare"].read_bytes())
     assert run.returncode == 0 and "1 offload assertion in standard input" in run.stdout

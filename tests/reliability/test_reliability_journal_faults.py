@@ -78,6 +78,23 @@ def test_failures_directory_turning_unwritable_mid_run(tmp_path: Path, caplog: p
     assert totals["failures"] == dict(obs.failures) and totals["failures"]["evicted_after_lookup"] == 2
     assert totals["corrupt"]["lines"] == 0
     assert (directory / "failures").read_text() == "in the way"
+    # What the sidecar exports: the failures counted, the report-stage errors KvobsFailureReportLost
+    # reads, and failure-time gauges (from reports) still 0, so KvobsLoadFailure cannot see them.
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from kvobs.sidecar.ingest import Ingest
+    from kvobs.sidecar.metrics import KvobsCollector
+
+    ingest = Ingest(directory)
+    ingest.poll()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvobsCollector(ingest))
+    text = generate_latest(registry).decode()
+    engine = 'engine="e0",model_name=""'
+    assert f'kvobs_load_failures_total{{cause="evicted_after_lookup",{engine}}} 2.0' in text
+    assert f'kvobs_internal_errors_total{{{engine},stage="report"}} 2.0' in text
+    assert f'kvobs_last_load_failure_timestamp_seconds{{cause="evicted_after_lookup",{engine}}} 0.0' in text
 
 
 def test_directory_full(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

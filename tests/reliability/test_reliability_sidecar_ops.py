@@ -203,9 +203,13 @@ def test_a_sidecar_of_another_uid_says_what_it_cannot_read(tmp_path: Path) -> No
                           and h, what="the unreadable paths in /healthz")
         time.sleep(6)  # past a checkpoint interval: the failed write must not count as an internal error
         values = scrape(url)
-        health = json.loads(http_get(f"{url}/healthz")[2])
+        health_code, _, body = http_get(f"{url}/healthz")
+        health = json.loads(body)
     finally:
         stop(proc)
+    # Still 200 (the ingest runs: /healthz is no readiness signal), but its status does not say "ok".
+    n = health["unreadable_files"]
+    assert health_code == 200 and health["status"] == f"reads no engine and cannot read {n} paths (cannot_read)", health
     paths = {entry["path"] for entry in health["cannot_read"]}
     assert {str(directory / "journal"), str(directory / "failures"), str(directory / CHECKPOINT)} <= paths, health
     assert health["engines"] == 0 and health["unreadable_files"] == len(health["cannot_read"])
@@ -213,3 +217,45 @@ def test_a_sidecar_of_another_uid_says_what_it_cannot_read(tmp_path: Path) -> No
     assert skipped(values, "checkpoint", "unreadable") == 1 and skipped(values, "checkpoint", "corrupt") == 0
     assert values["kvobs_sidecar_internal_errors_total", frozenset()] == 0
     assert values["kvobs_sidecar_engines", frozenset()] == 0
+
+
+def _big_journal_dir(directory: Path, files: int = 16, removals: int = 20_000) -> None:
+    """A kvobs directory whose first ingest round takes seconds: ``files`` journals of ~4 MB each (one
+    real engine's journal, copied under other writers' names), as after a long run or a sidecar restart
+    without its checkpoint."""
+    write_engine(directory, "e0", removals)
+    [journal] = (directory / "journal").glob("e0-*.jsonl")
+    for i in range(1, files):
+        shutil.copyfile(journal, journal.with_name(f"e{i}-{1000 + i}.000000.jsonl"))
+
+
+def test_livez_answers_while_the_first_ingest_round_still_runs(tmp_path: Path) -> None:
+    """Kubernetes counts a container with no readiness probe as ready once its startup probe passes:
+    /livez must answer from the bind, not once a long first round (a journal replay) is over; /healthz
+    and /metrics say that the first round is still running, and then that it is done."""
+    directory = tmp_path / "kvobs"
+    _big_journal_dir(directory)
+    proc, port = start(directory, "--log-level", "info")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "serving" in line:
+                break
+        else:
+            raise AssertionError("kvobs serve ended without saying serving")
+        said_serving = time.monotonic()
+        wait_for(lambda: http_get(f"{url}/livez", timeout=1)[0] == 200, timeout=1.0, what="/livez after serving")
+        livez_after = time.monotonic() - said_serving
+        health_status, _, health_body = http_get(f"{url}/healthz")
+        health = json.loads(health_body)
+        poll_time = scrape(url)[("kvobs_sidecar_last_poll_timestamp_seconds", frozenset())]
+        wait_for(lambda: http_get(f"{url}/healthz")[0] == 200, timeout=120, what="the first round's end")
+        round_took = time.monotonic() - said_serving
+        done = json.loads(http_get(f"{url}/healthz")[2])
+    finally:
+        stop(proc)
+    assert livez_after < 1.0 and round_took > 2 * livez_after + 1.0, (livez_after, round_took)  # seconds apart
+    assert health_status == 503 and health["status"] == "first ingest round running", health
+    assert health["last_ingest_age_s"] is None and poll_time == 0.0
+    assert done["status"] == "ok" and done["engines"] >= 1, done

@@ -145,7 +145,13 @@ def test_a_drained_run_is_never_one_line_longer_than_the_reader_takes(tmp_path: 
     lines = [line for path in segments for line in path.read_bytes().split(b"\n")]
     assert max(map(len, lines)) < MAX_LINE_BYTES
     url = sidecar(directory)
-    values = scrape(url)
+    # /healthz turns 200 once the first ingest round ends; one round reads 8 MiB of a file, so the rest
+    # comes a round (0.5 s) later: wait for it (a line the reader cannot take would never arrive).
+    deadline = time.monotonic() + 10
+    while (values := scrape(url)) and time.monotonic() < deadline:
+        if _series(values, "kvobs_eviction_batches_total", reason="capacity") == [2048.0]:
+            break
+        time.sleep(0.2)
     assert skipped(values, "journal", "corrupt") == 0
     assert _series(values, "kvobs_chunk_residency_seconds_count", reason="capacity") == [2048.0]
     assert _series(values, "kvobs_eviction_batches_total", reason="capacity") == [2048.0]

@@ -251,15 +251,16 @@ def test_vllm_has_health_probes_and_resource_requests() -> None:
 
 
 def test_the_sidecar_never_takes_vllm_out_of_its_service() -> None:
-    """Issue 20: a pod is Ready only when every container is, so the sidecar has no readiness probe; its
-    liveness and startup probes read /livez (the HTTP server answers), never /healthz (503 on a slow
-    ingest), and the manifest says why."""
+    """Issue 20: a pod is Ready only when every container is, so the sidecar has no readiness probe, and
+    no startup probe either (a container with one is not ready until it passes: it would hold the vLLM
+    pod NotReady); its liveness probe reads /livez (the HTTP server answers, from the bind), never
+    /healthz (503 on a slow ingest), and the manifest says why."""
     sidecar = container("kvobs")
-    assert "readinessProbe" not in sidecar
-    for probe in ("livenessProbe", "startupProbe"):
-        assert sidecar[probe]["httpGet"] == {"path": "/livez", "port": "kvobs-metrics"}, probe
+    assert "readinessProbe" not in sidecar and "startupProbe" not in sidecar
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "kvobs-metrics"}
     text = (K8S / "vllm-kvobs.yaml").read_text()
     assert "No readiness probe, on purpose" in text and "out of its Service" in text
+    assert "No startup probe either" in text
 
 
 def test_the_network_policy_lets_vllm_serve_and_only_prometheus_reach_the_sidecar() -> None:
