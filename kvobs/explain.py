@@ -22,6 +22,7 @@ key that cannot be parsed is shown raw.
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 import json
 import re
@@ -43,9 +44,11 @@ from kvobs.wire.format import (
     JOURNAL_DIR,
     JOURNAL_SUFFIX,
     KEYS_LISTED,
+    MAX_GROUP,
     MAX_REPORT_BYTES,
     Removals,
     key_ref,
+    parse_integer,
     ref_from_text,
 )
 
@@ -195,44 +198,46 @@ def scan_log(stream: BinaryIO) -> LogScan:
     dropped: set[tuple[str, str, str]] = set()
     untracked = 0
     damage: list[str] = []
-    try:
-        lines = enumerate(log_lines(stream, damage, MAX_LINE_CHARS), start=1)
-        first = next(lines, None)
-    except UnreadableLog as exc:
-        raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
-    for number, line in itertools.chain(() if first is None else (first,), lines):
-        for text in _texts(line):
-            for match in ASSERTION.finditer(text):
-                state = "missing" if match["what"].startswith("not found") else "not_ready"
-                ident = (match["noun"], match["key"], state)
-                known = found.get(ident)
-                if known is not None:
-                    known.occurrences += 1
-                    _read_kvobs_suffix(known, text, match.end())
-                    continue
-                if len(found) >= MAX_ASSERTIONS:
-                    if ident in dropped:
+    decoded = log_lines(stream, damage, MAX_LINE_CHARS)
+    with contextlib.closing(decoded):  # closed while ``stream`` is still open, however the scan ends
+        try:
+            lines = enumerate(decoded, start=1)
+            first = next(lines, None)
+        except UnreadableLog as exc:
+            raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
+        for number, line in itertools.chain(() if first is None else (first,), lines):
+            for text in _texts(line):
+                for match in ASSERTION.finditer(text):
+                    state = "missing" if match["what"].startswith("not found") else "not_ready"
+                    ident = (match["noun"], match["key"], state)
+                    known = found.get(ident)
+                    if known is not None:
+                        known.occurrences += 1
+                        _read_kvobs_suffix(known, text, match.end())
                         continue
-                    if len(dropped) < MAX_DROPPED_TRACKED:
-                        dropped.add(ident)
-                    else:
-                        untracked += 1
-                    continue
-                engine = ENGINE.search(text) or ENGINE.search(line)
-                when = LOG_TIME.search(text) or LOG_TIME.search(line)
-                entry = LoggedAssertion(
-                    line=number,
-                    text=text.strip()[:2000],
-                    noun=match["noun"],
-                    state=state,
-                    what=match["what"],
-                    key_text=match["key"],
-                    key=_parse_key(match["key"]),
-                    engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
-                    log_time=None if when is None else when["time"],
-                )
-                _read_kvobs_suffix(entry, text, match.end())
-                found[ident] = entry
+                    if len(found) >= MAX_ASSERTIONS:
+                        if ident in dropped:
+                            continue
+                        if len(dropped) < MAX_DROPPED_TRACKED:
+                            dropped.add(ident)
+                        else:
+                            untracked += 1
+                        continue
+                    engine = ENGINE.search(text) or ENGINE.search(line)
+                    when = LOG_TIME.search(text) or LOG_TIME.search(line)
+                    entry = LoggedAssertion(
+                        line=number,
+                        text=text.strip()[:2000],
+                        noun=match["noun"],
+                        state=state,
+                        what=match["what"],
+                        key_text=match["key"],
+                        key=_parse_key(match["key"]),
+                        engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
+                        log_time=None if when is None else when["time"],
+                    )
+                    _read_kvobs_suffix(entry, text, match.end())
+                    found[ident] = entry
     return LogScan(list(found.values()), len(dropped) + untracked, damage)
 
 
@@ -243,7 +248,7 @@ def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
     suffix = KVOBS_SUFFIX.match(line, end)
     if suffix is None:
         return
-    entry.kvobs_group = None if suffix["group"] == "None" else int(suffix["group"])
+    entry.kvobs_group = parse_integer(suffix["group"], 0, MAX_GROUP)  # None when "None" or out of range
     entry.kvobs_req_id = _parse_str(suffix["req"])
     cause = KVOBS_CAUSE.search(line, suffix.end())
     if cause is not None and cause["cause"] in MEANING:

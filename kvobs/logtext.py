@@ -22,7 +22,7 @@ import io
 import lzma
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, BinaryIO, cast
 
 COMPRESSED: tuple[tuple[bytes, str, Callable[[Any], Any] | None], ...] = (
@@ -90,7 +90,7 @@ def _encoding(head: bytes) -> tuple[str, int]:
     return "utf-8", 0
 
 
-def log_lines(stream: BinaryIO, damage: list[str], max_chars: int) -> Iterator[str]:
+def log_lines(stream: BinaryIO, damage: list[str], max_chars: int) -> Generator[str, None, None]:
     """Decoded lines without their line ending (LF or CRLF) or escapes, each at most ``max_chars``
     characters. Raises :class:`UnreadableLog` before the first line for a form it cannot decode."""
     try:

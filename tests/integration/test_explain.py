@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from services import ROOT, Sidecar, free_port
 
 from kvobs import cli
+from kvobs.explain import scan_log
 
 HERE = Path(__file__).parent
 
@@ -175,6 +176,27 @@ def test_damaged_log_with_kvobs_data_never_tracebacks(logs: dict[str, Path], jun
         found = [] if out.getvalue().startswith("no offload assertion") else [out.getvalue()]
     if cut >= vllm_end and not junk[:1].isalnum():
         assert found and status == 0, out.getvalue()[:2000]
+
+
+@pytest.mark.parametrize("group", ["9" * 5000, "9" * 30, str(2**32), "-1"],
+                         ids=["5000 digits", "30 digits", "2**32", "negative"])
+def test_a_logged_group_out_of_range_is_unreadable_not_a_traceback(logs: dict[str, Path], tmp_path: Path,
+                                                                  group: str) -> None:
+    """kvobs's ``(group=N, ...)`` in the log, with N no KV-cache group can be (a key holds it in 4
+    bytes): the group is unreadable like any other damaged field, the rest of kvobs's message is
+    still read, and nothing is raised (int() of over 4,300 digits raises ValueError)."""
+    text = logs["kvobs"].read_text()
+    assert "(group=0, " in text
+    log = tmp_path / "group.log"
+    log.write_text(text.replace("(group=0, ", f"(group={group}, "))
+    for mode in ([], ["--json"]):
+        run = explain(str(log), "--dir", str(logs["dir"]), *mode)
+        assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+    [result] = json.loads(run.stdout)
+    [entry] = result["assertions"]
+    assert (entry["kvobs_cause"], entry["kvobs_req_id"]) == ("evicted_after_lookup", "req-victim")
+    scan = scan_log(io.BytesIO(log.read_bytes()))
+    assert [e.kvobs_group for e in scan.assertions] == [None]
 
 
 # -- logs as they are shipped ----------------------------------------------------------------
