@@ -336,6 +336,41 @@ def _coloured(text: bytes) -> bytes:
     return b"\n".join(out) + b"\n"
 
 
+def _shifted(text: bytes) -> bytes:
+    """``tput sgr0`` under TERM=screen, tmux-256color or linux: ``ESC[m`` then SI (shift in, 0x0f),
+    here after a highlighted key; an SO/SI charset shift, a BEL and a stray ESC too."""
+    out = []
+    for line in text.splitlines():
+        line = line.replace(b"AssertionError", b"\x1b[1;31mAssertionError\x1b[m\x0f")
+        line = line.replace(b"Chunk b", b"Chunk \x1b[1mb").replace(b" not found", b"\x1b[m\x0f not\x0e\x0f found")
+        out.append(b"\x07" + line + b"\x1b[m\x0f\x1b")
+    return b"\n".join(out) + b"\n"
+
+
+def _c1(encode: Callable[[str], bytes]) -> Callable[[bytes], bytes]:
+    """8-bit C1 controls, ``encode``d: CSI (U+009B) with its parameters, an OSC title to ST (U+009C),
+    a DCS string, IND (U+0084) and SS3 (U+008F)."""
+    def transform(text: bytes) -> bytes:
+        out = []
+        for line in text.splitlines():
+            line = line.replace(b"AssertionError", encode("\x9b1;31mAssertionError\x9bm\x84"))
+            line = line.replace(b" not found", encode("\x90q#0;2;0;0;0\x9c not\x8f found"))
+            out.append(encode("\x9d0;vllm serve\x9c") + line + encode("\x9b0m"))
+        return b"\n".join(out) + b"\n"
+    return transform
+
+
+def _strings(text: bytes) -> bytes:
+    """DCS, SOS, PM and APC strings to ST (``ESC P`` / ``ESC X`` / ``ESC ^`` / ``ESC _`` ... ``ESC \\``), a BEL
+    inside an APC (only ST ends one), and tmux's passthrough of an OSC title (a DCS whose ESCs are doubled)."""
+    out = []
+    for line in text.splitlines():
+        line = line.replace(b"AssertionError", b"\x1bP1$r0m\x1b\\AssertionError\x1bXsos\x1b\\")
+        line = line.replace(b" not found", b"\x1b^pm\x1b\\ not\x1b_Ga=T;\x07AAAA\x1b\\ found")
+        out.append(b"\x1bPtmux;\x1b\x1b]0;vllm serve\x07\x1b\\" + line)
+    return b"\n".join(out) + b"\n"
+
+
 def _utf16_powershell(text: bytes) -> bytes:
     """What Windows PowerShell's ``>`` writes: UTF-16 LE with a BOM, CRLF."""
     return codecs.BOM_UTF16_LE + text.decode().replace("\n", "\r\n").encode("utf-16-le")
@@ -352,6 +387,10 @@ OTHER_FORMS: dict[str, Any] = {
     "xz of utf-16": lambda text: lzma.compress(_utf16_powershell(text)),
     "escapes beyond CSI": _coloured,
     "gzip of escapes": lambda text: gzip.compress(_coloured(text)),
+    "SI after sgr0 (screen, tmux, linux), C0 controls": _shifted,
+    "8-bit C1 as raw bytes (not UTF-8: latin-1)": _c1(lambda text: text.encode("latin-1")),
+    "8-bit C1 as UTF-8 code points": _c1(lambda text: text.encode("utf-8")),
+    "DCS, SOS, PM, APC strings": _strings,
 }
 
 
