@@ -65,6 +65,9 @@ MAX_JSON_DEPTH = 3
 REMOVALS_SHOWN = 3
 FAILURES_PATH = "/api/v1/failures"
 SIDECAR_PAGE_REPORTS = 1_000
+MAX_SIDECAR_PAGE_BYTES = 64 * MAX_REPORT_BYTES
+"""The most of one page that is read (a page of SIDECAR_PAGE_REPORTS reports, each cut to far less
+than MAX_REPORT_BYTES by its writer, is smaller): a larger answer is said to be too large."""
 MAX_SIDECAR_PAGES = 100
 """Pages of the sidecar's reports read at most (100,000 reports); then explain says where it stopped."""
 SIDECAR_DEADLINE_S = 120.0
@@ -332,10 +335,15 @@ def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[st
                 }
 
 
+class _PageFailed(Exception):
+    """One page of the sidecar's reports could not be read; the message says which and why."""
+
+
 def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
     """Failure reports from a running sidecar's /api/v1/failures, every page (the API's ``next``)
     until it is null, at most ``MAX_SIDECAR_PAGES`` pages and ``SIDECAR_DEADLINE_S``; the notes
-    returned say where it stopped when it did not read them all."""
+    returned say where it stopped when it did not read them all. A first page that fails is an
+    :class:`ExplainError`; a later one stops the paging, keeping what the earlier pages matched."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ExplainError(f"--sidecar {url}: expected an http:// or https:// URL")
@@ -345,9 +353,14 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
     while page is not None:
         if pages >= MAX_SIDECAR_PAGES or time.monotonic() > deadline:
             bound = f"{MAX_SIDECAR_PAGES} pages" if pages >= MAX_SIDECAR_PAGES else f"{SIDECAR_DEADLINE_S:.0f} s"
-            return [f"--sidecar: stopped after {pages} pages ({read} reports, the bound is {bound}); older "
-                    f"reports were not read (next: {base}{page[:200]}); narrow with --dir or read the API"]
-        reports, page = _sidecar_page(base, page, url)
+            return [_stopped(pages, read, f"the bound is {bound}", base + page)]
+        try:
+            reports, following = _sidecar_page(base + page)
+        except _PageFailed as exc:
+            if pages == 0:
+                raise ExplainError(f"--sidecar {url}: {exc}") from exc.__cause__
+            return [_stopped(pages, read, str(exc), base + page)]
+        page = following
         pages += 1
         read += len(reports)
         for report in reports:
@@ -358,21 +371,28 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str) -> list[str]:
     return []
 
 
-def _sidecar_page(base: str, page: str, url: str) -> tuple[list[Any], str | None]:
+def _stopped(pages: int, read: int, why: str, endpoint: str) -> str:
+    return (f"--sidecar: stopped after {pages} page{'s' * (pages != 1)} ({read} reports): {why}; older reports "
+            f"were not read (next: {endpoint[:300]}); narrow with --dir or read the API")
+
+
+def _sidecar_page(endpoint: str) -> tuple[list[Any], str | None]:
     """One page of reports and the relative URL of the next (None: the last page)."""
-    endpoint = base + page
     try:
         with urllib.request.urlopen(endpoint, timeout=10) as response:
-            body = response.read(64 * MAX_REPORT_BYTES)
+            body = response.read(MAX_SIDECAR_PAGE_BYTES + 1)
+    except (OSError, urllib.error.URLError) as exc:
+        raise _PageFailed(f"cannot read {endpoint}: {exc}") from exc
+    if len(body) > MAX_SIDECAR_PAGE_BYTES:
+        raise _PageFailed(f"{endpoint} answered more than {MAX_SIDECAR_PAGE_BYTES} bytes, too large for one page "
+                          f"(of at most {SIDECAR_PAGE_REPORTS} reports)")
+    try:
         data = json.loads(body)
         reports, following = data["failures"], data.get("next")
-    except (OSError, urllib.error.URLError) as exc:
-        raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ExplainError(f"--sidecar {url}: {endpoint} did not answer with kvobs failure reports") from exc
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise _PageFailed(f"{endpoint} did not answer with kvobs failure reports") from exc
     if following is not None and not (isinstance(following, str) and following.startswith(FAILURES_PATH + "?")):
-        raise ExplainError(f"--sidecar {url}: {endpoint} answered a next page that is not the API's: "
-                           f"{str(following)[:200]!r}")
+        raise _PageFailed(f"{endpoint} answered a next page that is not the API's: {str(following)[:200]!r}")
     return (reports if isinstance(reports, list) else []), following
 
 

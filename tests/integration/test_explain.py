@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -467,3 +468,75 @@ def test_sidecar_paging_is_bounded_and_says_where_it_stopped(logs: dict[str, Pat
         server.server_close()
     assert run.returncode == 0, run.stderr
     assert f"--sidecar: stopped after {MAX_SIDECAR_PAGES} pages" in run.stdout, run.stdout
+
+
+def _failing_after_one_page(upstream: str, failure: str) -> type[BaseHTTPRequestHandler]:
+    """A proxy that serves the first page from a real ``kvobs serve`` and fails every later one as
+    ``failure`` says: the connection closed unanswered, a page that is not JSON, a page over the read cap."""
+    from kvobs.explain import MAX_SIDECAR_PAGE_BYTES
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if "before=" not in self.path:  # the first page
+                with urllib.request.urlopen(upstream + self.path, timeout=10) as response:
+                    body = response.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif failure == "closed":
+                self.close_connection = True  # no status line: the client sees the connection end
+            elif failure == "not json":
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"<html>502 Bad Gateway</html>")
+            else:  # too large: no Content-Length, more bytes than explain reads of a page
+                self.send_response(200)
+                self.end_headers()
+                chunk = b" " * 2**20
+                with contextlib.suppress(OSError):  # explain stops reading at its cap
+                    for _ in range(MAX_SIDECAR_PAGE_BYTES // len(chunk) + 1):
+                        self.wfile.write(chunk)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    return Proxy
+
+
+@pytest.mark.parametrize(("failure", "why"), [
+    ("closed", "cannot read"),
+    ("not json", "did not answer with kvobs failure reports"),
+    ("too large", "too large for one page"),
+])
+def test_sidecar_paging_that_fails_part_way_keeps_what_it_found_and_says_why(
+        logs: dict[str, Path], tmp_path: Path, failure: str, why: str) -> None:
+    """1,001 reports in a real ``kvobs serve``: the logged failure's is the newest, on page 1; page 2
+    fails. The report found on page 1 is kept, and the output says where and why paging stopped."""
+    directory = tmp_path / "kvobs"
+    shutil.copytree(logs["dir"], directory)
+    [real] = sorted((directory / "failures").glob("*.json"))
+    report = json.loads(real.read_text())
+    for n in range(1000):  # older reports of other keys
+        other = {**report, "vllm_message": f"Chunk b'other{n}' not found in cache", "missing": [],
+                 "time": report["time"] - 1 - n}
+        (directory / "failures" / f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json").write_text(json.dumps(other))
+    sidecar = Sidecar(directory).start()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _failing_after_one_page(sidecar.url, failure))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        runs = [explain(str(logs["bare"]), "--sidecar", url, *mode) for mode in ([], ["--json"])]
+    finally:
+        server.shutdown()
+        server.server_close()
+        sidecar.stop()
+    for run in runs:
+        assert run.returncode == 0 and "Traceback" not in run.stderr, (run.stdout, run.stderr)
+    assert "cause evicted_after_lookup" in runs[0].stdout
+    assert "--sidecar: stopped after 1 page (1000 reports): " in runs[0].stdout, runs[0].stdout
+    [result] = json.loads(runs[1].stdout)
+    assert result["assertions"][0]["report_causes"] == ["evicted_after_lookup"]
+    [note] = result["damage"]
+    assert why in note and f"{url}/api/v1/failures?" in note and "older reports were not read" in note, note
