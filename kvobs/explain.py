@@ -22,6 +22,7 @@ key that cannot be parsed is shown raw.
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 import json
 import re
@@ -43,9 +44,11 @@ from kvobs.wire.format import (
     JOURNAL_DIR,
     JOURNAL_SUFFIX,
     KEYS_LISTED,
+    MAX_GROUP,
     MAX_REPORT_BYTES,
     Removals,
     key_ref,
+    parse_integer,
     ref_from_text,
 )
 
@@ -62,6 +65,9 @@ MAX_JSON_DEPTH = 3
 REMOVALS_SHOWN = 3
 FAILURES_PATH = "/api/v1/failures"
 SIDECAR_PAGE_REPORTS = 1_000
+MAX_SIDECAR_PAGE_BYTES = 64 * MAX_REPORT_BYTES
+"""The most of one page that is read (a page of SIDECAR_PAGE_REPORTS reports, each cut to far less
+than MAX_REPORT_BYTES by its writer, is smaller): a larger answer is said to be too large."""
 MAX_SIDECAR_PAGES = 100
 """Pages of the sidecar's reports read at most (100,000 reports); then explain says where it stopped."""
 SIDECAR_DEADLINE_S = 120.0
@@ -195,44 +201,46 @@ def scan_log(stream: BinaryIO) -> LogScan:
     dropped: set[tuple[str, str, str]] = set()
     untracked = 0
     damage: list[str] = []
-    try:
-        lines = enumerate(log_lines(stream, damage, MAX_LINE_CHARS), start=1)
-        first = next(lines, None)
-    except UnreadableLog as exc:
-        raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
-    for number, line in itertools.chain(() if first is None else (first,), lines):
-        for text in _texts(line):
-            for match in ASSERTION.finditer(text):
-                state = "missing" if match["what"].startswith("not found") else "not_ready"
-                ident = (match["noun"], match["key"], state)
-                known = found.get(ident)
-                if known is not None:
-                    known.occurrences += 1
-                    _read_kvobs_suffix(known, text, match.end())
-                    continue
-                if len(found) >= MAX_ASSERTIONS:
-                    if ident in dropped:
+    decoded = log_lines(stream, damage, MAX_LINE_CHARS)
+    with contextlib.closing(decoded):  # closed while ``stream`` is still open, however the scan ends
+        try:
+            lines = enumerate(decoded, start=1)
+            first = next(lines, None)
+        except UnreadableLog as exc:
+            raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
+        for number, line in itertools.chain(() if first is None else (first,), lines):
+            for text in _texts(line):
+                for match in ASSERTION.finditer(text):
+                    state = "missing" if match["what"].startswith("not found") else "not_ready"
+                    ident = (match["noun"], match["key"], state)
+                    known = found.get(ident)
+                    if known is not None:
+                        known.occurrences += 1
+                        _read_kvobs_suffix(known, text, match.end())
                         continue
-                    if len(dropped) < MAX_DROPPED_TRACKED:
-                        dropped.add(ident)
-                    else:
-                        untracked += 1
-                    continue
-                engine = ENGINE.search(text) or ENGINE.search(line)
-                when = LOG_TIME.search(text) or LOG_TIME.search(line)
-                entry = LoggedAssertion(
-                    line=number,
-                    text=text.strip()[:2000],
-                    noun=match["noun"],
-                    state=state,
-                    what=match["what"],
-                    key_text=match["key"],
-                    key=_parse_key(match["key"]),
-                    engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
-                    log_time=None if when is None else when["time"],
-                )
-                _read_kvobs_suffix(entry, text, match.end())
-                found[ident] = entry
+                    if len(found) >= MAX_ASSERTIONS:
+                        if ident in dropped:
+                            continue
+                        if len(dropped) < MAX_DROPPED_TRACKED:
+                            dropped.add(ident)
+                        else:
+                            untracked += 1
+                        continue
+                    engine = ENGINE.search(text) or ENGINE.search(line)
+                    when = LOG_TIME.search(text) or LOG_TIME.search(line)
+                    entry = LoggedAssertion(
+                        line=number,
+                        text=text.strip()[:2000],
+                        noun=match["noun"],
+                        state=state,
+                        what=match["what"],
+                        key_text=match["key"],
+                        key=_parse_key(match["key"]),
+                        engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
+                        log_time=None if when is None else when["time"],
+                    )
+                    _read_kvobs_suffix(entry, text, match.end())
+                    found[ident] = entry
     return LogScan(list(found.values()), len(dropped) + untracked, damage)
 
 
@@ -243,7 +251,7 @@ def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
     suffix = KVOBS_SUFFIX.match(line, end)
     if suffix is None:
         return
-    entry.kvobs_group = None if suffix["group"] == "None" else int(suffix["group"])
+    entry.kvobs_group = parse_integer(suffix["group"], 0, MAX_GROUP)  # None when "None" or out of range
     entry.kvobs_req_id = _parse_str(suffix["req"])
     cause = KVOBS_CAUSE.search(line, suffix.end())
     if cause is not None and cause["cause"] in MEANING:
@@ -327,11 +335,17 @@ def _removals_in(record: Removals, wanted: dict[bytes, str]) -> Iterator[dict[st
                 }
 
 
+class _PageFailed(Exception):
+    """One page of the sidecar's reports could not be read; the message says which and why."""
+
+
 def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes | None = None) -> list[str]:
     """Failure reports from a running sidecar's /api/v1/failures, every page (the API's ``next``)
     until it is null, at most ``MAX_SIDECAR_PAGES`` pages and ``SIDECAR_DEADLINE_S``; the notes
-    returned say where it stopped when it did not read them all. ``token``: the bearer token a
-    sidecar run with ``--token-file`` requires (sent as ``Authorization: Bearer``)."""
+    returned say where it stopped when it did not read them all. A first page that fails is an
+    :class:`ExplainError`; a later one stops the paging, keeping what the earlier pages matched.
+    ``token``: the bearer token a sidecar run with ``--token-file`` requires (sent as
+    ``Authorization: Bearer``); a refused one is an :class:`ExplainError` on any page."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ExplainError(f"--sidecar {url}: expected an http:// or https:// URL")
@@ -341,9 +355,14 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes 
     while page is not None:
         if pages >= MAX_SIDECAR_PAGES or time.monotonic() > deadline:
             bound = f"{MAX_SIDECAR_PAGES} pages" if pages >= MAX_SIDECAR_PAGES else f"{SIDECAR_DEADLINE_S:.0f} s"
-            return [f"--sidecar: stopped after {pages} pages ({read} reports, the bound is {bound}); older "
-                    f"reports were not read (next: {base}{page[:200]}); narrow with --dir or read the API"]
-        reports, page = _sidecar_page(base, page, url, token)
+            return [_stopped(pages, read, f"the bound is {bound}", base + page)]
+        try:
+            reports, following = _sidecar_page(base + page, url, token)
+        except _PageFailed as exc:
+            if pages == 0:
+                raise ExplainError(f"--sidecar {url}: {exc}") from exc.__cause__
+            return [_stopped(pages, read, str(exc), base + page)]
+        page = following
         pages += 1
         read += len(reports)
         for report in reports:
@@ -354,28 +373,35 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes 
     return []
 
 
-def _sidecar_page(base: str, page: str, url: str, token: bytes | None = None) -> tuple[list[Any], str | None]:
+def _stopped(pages: int, read: int, why: str, endpoint: str) -> str:
+    return (f"--sidecar: stopped after {pages} page{'s' * (pages != 1)} ({read} reports): {why}; older reports "
+            f"were not read (next: {endpoint[:300]}); narrow with --dir or read the API")
+
+
+def _sidecar_page(endpoint: str, url: str, token: bytes | None) -> tuple[list[Any], str | None]:
     """One page of reports and the relative URL of the next (None: the last page)."""
-    endpoint = base + page
     headers = {} if token is None else {"Authorization": "Bearer " + token.decode("ascii")}
     try:
         with urllib.request.urlopen(urllib.request.Request(endpoint, headers=headers), timeout=10) as response:
-            body = response.read(64 * MAX_REPORT_BYTES)
-        data = json.loads(body)
-        reports, following = data["failures"], data.get("next")
+            body = response.read(MAX_SIDECAR_PAGE_BYTES + 1)
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
             given = "the token of --token-file was refused" if token else "it requires a bearer token"
             raise ExplainError(f"--sidecar {url}: {endpoint} answered 401: {given} (give the file the sidecar's "
                                "--token-file reads: --token-file PATH)") from exc
-        raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
+        raise _PageFailed(f"cannot read {endpoint}: {exc}") from exc
     except (OSError, urllib.error.URLError) as exc:
-        raise ExplainError(f"--sidecar {url}: cannot read {endpoint}: {exc}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ExplainError(f"--sidecar {url}: {endpoint} did not answer with kvobs failure reports") from exc
+        raise _PageFailed(f"cannot read {endpoint}: {exc}") from exc
+    if len(body) > MAX_SIDECAR_PAGE_BYTES:
+        raise _PageFailed(f"{endpoint} answered more than {MAX_SIDECAR_PAGE_BYTES} bytes, too large for one page "
+                          f"(of at most {SIDECAR_PAGE_REPORTS} reports)")
+    try:
+        data = json.loads(body)
+        reports, following = data["failures"], data.get("next")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise _PageFailed(f"{endpoint} did not answer with kvobs failure reports") from exc
     if following is not None and not (isinstance(following, str) and following.startswith(FAILURES_PATH + "?")):
-        raise ExplainError(f"--sidecar {url}: {endpoint} answered a next page that is not the API's: "
-                           f"{str(following)[:200]!r}")
+        raise _PageFailed(f"{endpoint} answered a next page that is not the API's: {str(following)[:200]!r}")
     return (reports if isinstance(reports, list) else []), following
 
 

@@ -2,10 +2,13 @@
 
 Why by content: logs arrive renamed, rotated and piped (``vllm.log.1``, standard input), so the
 file name says nothing reliable. What is in the first bytes does: a compressor's magic bytes, a
-byte-order mark, or (UTF-16 without a mark) the NUL byte in every other position. What a
+byte-order mark, or (UTF-16 without a mark) the NUL byte in every other position; in a UTF-8
+log a byte that is not UTF-8 is read as Latin-1 (raw 8-bit controls, a Latin-1 log). What a
 terminal would not show is removed from each line: every escape sequence form of ECMA-48 (CSI
 such as colours, the charset designations ``tput sgr0`` emits such as ``ESC(B``, OSC strings
-such as window titles and hyperlinks, DCS/SOS/PM/APC strings, and their 8-bit C1 forms).
+such as window titles and hyperlinks, DCS/SOS/PM/APC strings, and their 8-bit C1 forms) and every
+other C0 or C1 control but tab and the line end (the SI ``tput sgr0`` ends with under screen, tmux
+and the Linux console).
 
 A compression kvobs cannot read with the standard library (zstd, lz4, zip) is an
 :class:`UnreadableLog` saying which and what to do, instead of "no assertion found".
@@ -22,7 +25,7 @@ import io
 import lzma
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, BinaryIO, cast
 
 COMPRESSED: tuple[tuple[bytes, str, Callable[[Any], Any] | None], ...] = (
@@ -44,10 +47,26 @@ BOMS: tuple[tuple[bytes, str], ...] = (
 SNIFF_BYTES = 4096
 ESCAPES = re.compile(
     r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: SGR colours, cursor moves (7- and 8-bit introducer)
-    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC/DCS/SOS/PM/APC to BEL or ST
+    r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC: titles, hyperlinks; to BEL or ST
+    r"|(?:\x1b[PX^_]|[\x90\x98\x9e\x9f])(?:[^\x1b\x9c]|\x1b[^\\])*(?:\x1b\\|\x9c)?"  # DCS/SOS/PM/APC: to ST only
     r"|\x1b[ -/]*[0-~]"  # the other escape sequences: nF (ESC ( B), Fp, Fe, Fs
+    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"  # any other C0 or C1 control (SI after sgr0), DEL; not tab or CR/LF
 )
-"""Every escape sequence form of ECMA-48 (ISO 6429) that terminals emit."""
+"""Every escape sequence form of ECMA-48 (ISO 6429) that terminals emit, and the controls left:
+a terminal shows none of them. A DCS/SOS/PM/APC string ends at ST only, so an ESC inside (tmux's
+passthrough doubles them) or a BEL does not end it early."""
+LATIN_1 = "kvobs.latin-1"
+"""The error handler a UTF-8 log is decoded with: a byte that is not UTF-8 is read as Latin-1, so a
+log with raw 8-bit C1 controls (0x9b for CSI) or in Latin-1 keeps its text, not U+FFFD in its place."""
+
+
+def _as_latin_1(exc: UnicodeError) -> tuple[str, int]:
+    if not isinstance(exc, UnicodeDecodeError):
+        raise exc
+    return exc.object[exc.start : exc.end].decode("latin-1"), exc.end
+
+
+codecs.register_error(LATIN_1, _as_latin_1)
 _DAMAGE = (EOFError, gzip.BadGzipFile, zlib.error, lzma.LZMAError, OSError)
 
 
@@ -90,7 +109,7 @@ def _encoding(head: bytes) -> tuple[str, int]:
     return "utf-8", 0
 
 
-def log_lines(stream: BinaryIO, damage: list[str], max_chars: int) -> Iterator[str]:
+def log_lines(stream: BinaryIO, damage: list[str], max_chars: int) -> Generator[str, None, None]:
     """Decoded lines without their line ending (LF or CRLF) or escapes, each at most ``max_chars``
     characters. Raises :class:`UnreadableLog` before the first line for a form it cannot decode."""
     try:
@@ -101,7 +120,8 @@ def log_lines(stream: BinaryIO, damage: list[str], max_chars: int) -> Iterator[s
         return
     encoding, bom = _encoding(head)
     reader.read(bom)
-    text = io.TextIOWrapper(reader, encoding=encoding, errors="replace", newline="\n")
+    errors = LATIN_1 if encoding == "utf-8" else "replace"
+    text = io.TextIOWrapper(reader, encoding=encoding, errors=errors, newline="\n")
     try:
         yield from _text_lines(text, max_chars)
     except _DAMAGE as exc:  # a cut or corrupt compressed stream: keep what was read

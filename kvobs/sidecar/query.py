@@ -16,12 +16,11 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from kvobs.codes import CAUSES
-from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME, REPORT_ID, is_model_name, is_seconds
+from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME, REPORT_ID, is_model_name, is_seconds, parse_integer
 
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
 MAX_FIELDS = 64
-_DIGITS = re.compile(r"[0-9]{1,7}")
 _NUMBER = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:[eE][+-]?[0-9]{1,3})?")
 """A plain decimal number (also as ``repr`` writes a float): no sign, ``_``, spaces, nan or inf."""
 
@@ -35,8 +34,8 @@ class QueryError(ValueError):
 
 
 def _limit(text: str) -> int:
-    value = int(text) if _DIGITS.fullmatch(text) else 0
-    if not 1 <= value <= MAX_FAILURES:
+    value = parse_integer(text, 1, MAX_FAILURES)
+    if value is None:
         raise ValueError(f"must be an integer in [1, {MAX_FAILURES}]")
     return value
 

@@ -13,6 +13,7 @@ import base64
 import json
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
 from kvobs.codes import BUCKETS, REASONS, unpack_flags
@@ -81,8 +82,10 @@ def encode_note(writer: Writer, kind: str, time: float, **fields: Any) -> str:
 
 LINE_BUDGET = MAX_LINE_BYTES // 2
 """What a ``removals`` line is kept under: far below the MAX_LINE_BYTES its reader skips."""
-_BATCH_CHARS = 40  # a batch's time, flags, count and listed count in base64, and its request id's quotes
-_KEY_CHARS = 24  # a listed key's reference and residency in base64
+_BATCH_BYTES = 40  # a batch's time, flags, count and listed count in base64, and its request id's comma
+_KEY_BYTES = 24  # a listed key's reference and residency in base64
+_MAX_BYTES_PER_CHAR = 12
+"""The most one character of a str costs as :func:`_dumps` writes it: ``\\ud83d\\ude00`` for an emoji."""
 
 
 def encode_removals(writer: Writer, run: RemovalRun, wall_offset: float) -> list[str]:
@@ -95,14 +98,25 @@ def encode_removals(writer: Writer, run: RemovalRun, wall_offset: float) -> list
     return [line for part in _line_runs(run) for line in _encode_run(writer, part, wall_offset)]
 
 
+def _written_bytes(text: str | None) -> int:
+    """The bytes :func:`_dumps` writes for ``text`` (the reader's line limit is in bytes): JSON's
+    ``ensure_ascii`` writes a non-ASCII character as 6 bytes (12 outside the BMP), a control
+    character as 6, a quote or backslash as 2."""
+    return 4 if text is None else len(encode_basestring_ascii(text))
+
+
 def _line_runs(run: RemovalRun) -> Iterator[RemovalRun]:
     """``run`` cut into consecutive runs whose lines fit (the run itself when it fits, as most do)."""
     n = len(run.counts)
-    sizes = [_BATCH_CHARS + min(count, KEYS_LISTED) * _KEY_CHARS + min(len(req or ""), MAX_REQ_ID)
-             for count, req in zip(run.counts, run.reqs, strict=True)]
-    if n <= MAX_BATCHES_PER_LINE and sum(sizes) <= LINE_BUDGET:
-        yield run
+    keys = sum(min(count, KEYS_LISTED) for count in run.counts)
+    worst = sum(min(len(req or ""), MAX_REQ_ID) for req in run.reqs) * _MAX_BYTES_PER_CHAR + 2 * n
+    if n <= MAX_BATCHES_PER_LINE and n * _BATCH_BYTES + keys * _KEY_BYTES + worst <= LINE_BUDGET:
+        yield run  # fits however its ids are escaped: nothing encoded to find out
         return
+    written: dict[str | None, int] = {}  # a run's batches often share a request id
+    sizes = [_BATCH_BYTES + min(count, KEYS_LISTED) * _KEY_BYTES
+             + (written[req] if req in written else written.setdefault(req, _written_bytes(fit_req_id(req))))
+             for count, req in zip(run.counts, run.reqs, strict=True)]
     start = key_start = key_at = size = 0
     for i in range(n):
         if i > start and (size + sizes[i] > LINE_BUDGET or i - start >= MAX_BATCHES_PER_LINE):

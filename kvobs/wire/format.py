@@ -50,6 +50,8 @@ MAX_COUNT = 2**53
 """The largest count a record may carry (a float64 holds integers exactly up to here)."""
 MAX_SECONDS = 1e10
 """A time or age beyond this (about 317 years) is not one kvobs wrote."""
+MAX_GROUP = 2**32 - 1
+"""The largest KV-cache group index: a key's last 4 bytes hold it (:func:`key_ref_bytes`)."""
 
 # -- the text limits writer and reader share (one definition each; the writer fits to them) --
 
@@ -162,12 +164,13 @@ def ref_groups(refs: bytes) -> Iterator[int]:
 
 def ref_from_text(ref: str) -> bytes | None:
     """:func:`ref_text` back to the bytes a removals line lists (None if it is not one)."""
-    prefix, _, group = ref.partition("/")
+    prefix, _, group_text = ref.partition("/")
+    group = parse_integer(group_text, 0, MAX_GROUP)
     try:
         raw = bytes.fromhex(prefix)
-        return raw + int(group).to_bytes(4, "big") if len(raw) == 8 else None
-    except (ValueError, OverflowError):
+    except ValueError:
         return None
+    return raw + group.to_bytes(4, "big") if len(raw) == 8 and group is not None else None
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -185,6 +188,21 @@ def is_number(value: Any, low: float, high: float, *, integer: bool = False) -> 
     if isinstance(value, float) and (value != value or (integer and not value.is_integer())):
         return False  # NaN, or a float that is not a whole number where one is needed
     return low <= value <= high  # also refuses ±inf
+
+
+_INTEGER_TEXT = re.compile(r"-?[0-9]{1,20}")
+
+
+def parse_integer(text: str, low: int, high: int) -> int | None:
+    """A decimal integer written as text (a log line, a query), None unless it is one in [low, high].
+
+    Its digits are counted before ``int()`` reads them: ``int()`` of a text of over 4,300 digits
+    raises ``ValueError``, and of fewer still costs time quadratic in its length.
+    """
+    if not _INTEGER_TEXT.fullmatch(text):
+        return None
+    value = int(text)
+    return value if is_number(value, low, high, integer=True) else None
 
 
 def is_count(value: Any) -> TypeIs[int | float]:

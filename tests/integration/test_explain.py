@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +32,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from services import ROOT, Sidecar, free_port
 
 from kvobs import cli
+from kvobs.explain import scan_log
 
 HERE = Path(__file__).parent
 
@@ -207,6 +209,27 @@ def test_damaged_log_with_kvobs_data_never_tracebacks(logs: dict[str, Path], jun
         assert found and status == 0, out.getvalue()[:2000]
 
 
+@pytest.mark.parametrize("group", ["9" * 5000, "9" * 30, str(2**32), "-1"],
+                         ids=["5000 digits", "30 digits", "2**32", "negative"])
+def test_a_logged_group_out_of_range_is_unreadable_not_a_traceback(logs: dict[str, Path], tmp_path: Path,
+                                                                  group: str) -> None:
+    """kvobs's ``(group=N, ...)`` in the log, with N no KV-cache group can be (a key holds it in 4
+    bytes): the group is unreadable like any other damaged field, the rest of kvobs's message is
+    still read, and nothing is raised (int() of over 4,300 digits raises ValueError)."""
+    text = logs["kvobs"].read_text()
+    assert "(group=0, " in text
+    log = tmp_path / "group.log"
+    log.write_text(text.replace("(group=0, ", f"(group={group}, "))
+    for mode in ([], ["--json"]):
+        run = explain(str(log), "--dir", str(logs["dir"]), *mode)
+        assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+    [result] = json.loads(run.stdout)
+    [entry] = result["assertions"]
+    assert (entry["kvobs_cause"], entry["kvobs_req_id"]) == ("evicted_after_lookup", "req-victim")
+    scan = scan_log(io.BytesIO(log.read_bytes()))
+    assert [e.kvobs_group for e in scan.assertions] == [None]
+
+
 # -- logs as they are shipped ----------------------------------------------------------------
 
 
@@ -344,6 +367,41 @@ def _coloured(text: bytes) -> bytes:
     return b"\n".join(out) + b"\n"
 
 
+def _shifted(text: bytes) -> bytes:
+    """``tput sgr0`` under TERM=screen, tmux-256color or linux: ``ESC[m`` then SI (shift in, 0x0f),
+    here after a highlighted key; an SO/SI charset shift, a BEL and a stray ESC too."""
+    out = []
+    for line in text.splitlines():
+        line = line.replace(b"AssertionError", b"\x1b[1;31mAssertionError\x1b[m\x0f")
+        line = line.replace(b"Chunk b", b"Chunk \x1b[1mb").replace(b" not found", b"\x1b[m\x0f not\x0e\x0f found")
+        out.append(b"\x07" + line + b"\x1b[m\x0f\x1b")
+    return b"\n".join(out) + b"\n"
+
+
+def _c1(encode: Callable[[str], bytes]) -> Callable[[bytes], bytes]:
+    """8-bit C1 controls, ``encode``d: CSI (U+009B) with its parameters, an OSC title to ST (U+009C),
+    a DCS string, IND (U+0084) and SS3 (U+008F)."""
+    def transform(text: bytes) -> bytes:
+        out = []
+        for line in text.splitlines():
+            line = line.replace(b"AssertionError", encode("\x9b1;31mAssertionError\x9bm\x84"))
+            line = line.replace(b" not found", encode("\x90q#0;2;0;0;0\x9c not\x8f found"))
+            out.append(encode("\x9d0;vllm serve\x9c") + line + encode("\x9b0m"))
+        return b"\n".join(out) + b"\n"
+    return transform
+
+
+def _strings(text: bytes) -> bytes:
+    """DCS, SOS, PM and APC strings to ST (``ESC P`` / ``ESC X`` / ``ESC ^`` / ``ESC _`` ... ``ESC \\``), a BEL
+    inside an APC (only ST ends one), and tmux's passthrough of an OSC title (a DCS whose ESCs are doubled)."""
+    out = []
+    for line in text.splitlines():
+        line = line.replace(b"AssertionError", b"\x1bP1$r0m\x1b\\AssertionError\x1bXsos\x1b\\")
+        line = line.replace(b" not found", b"\x1b^pm\x1b\\ not\x1b_Ga=T;\x07AAAA\x1b\\ found")
+        out.append(b"\x1bPtmux;\x1b\x1b]0;vllm serve\x07\x1b\\" + line)
+    return b"\n".join(out) + b"\n"
+
+
 def _utf16_powershell(text: bytes) -> bytes:
     """What Windows PowerShell's ``>`` writes: UTF-16 LE with a BOM, CRLF."""
     return codecs.BOM_UTF16_LE + text.decode().replace("\n", "\r\n").encode("utf-16-le")
@@ -360,6 +418,10 @@ OTHER_FORMS: dict[str, Any] = {
     "xz of utf-16": lambda text: lzma.compress(_utf16_powershell(text)),
     "escapes beyond CSI": _coloured,
     "gzip of escapes": lambda text: gzip.compress(_coloured(text)),
+    "SI after sgr0 (screen, tmux, linux), C0 controls": _shifted,
+    "8-bit C1 as raw bytes (not UTF-8: latin-1)": _c1(lambda text: text.encode("latin-1")),
+    "8-bit C1 as UTF-8 code points": _c1(lambda text: text.encode("utf-8")),
+    "DCS, SOS, PM, APC strings": _strings,
 }
 
 
@@ -436,3 +498,75 @@ def test_sidecar_paging_is_bounded_and_says_where_it_stopped(logs: dict[str, Pat
         server.server_close()
     assert run.returncode == 0, run.stderr
     assert f"--sidecar: stopped after {MAX_SIDECAR_PAGES} pages" in run.stdout, run.stdout
+
+
+def _failing_after_one_page(upstream: str, failure: str) -> type[BaseHTTPRequestHandler]:
+    """A proxy that serves the first page from a real ``kvobs serve`` and fails every later one as
+    ``failure`` says: the connection closed unanswered, a page that is not JSON, a page over the read cap."""
+    from kvobs.explain import MAX_SIDECAR_PAGE_BYTES
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if "before=" not in self.path:  # the first page
+                with urllib.request.urlopen(upstream + self.path, timeout=10) as response:
+                    body = response.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif failure == "closed":
+                self.close_connection = True  # no status line: the client sees the connection end
+            elif failure == "not json":
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"<html>502 Bad Gateway</html>")
+            else:  # too large: no Content-Length, more bytes than explain reads of a page
+                self.send_response(200)
+                self.end_headers()
+                chunk = b" " * 2**20
+                with contextlib.suppress(OSError):  # explain stops reading at its cap
+                    for _ in range(MAX_SIDECAR_PAGE_BYTES // len(chunk) + 1):
+                        self.wfile.write(chunk)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    return Proxy
+
+
+@pytest.mark.parametrize(("failure", "why"), [
+    ("closed", "cannot read"),
+    ("not json", "did not answer with kvobs failure reports"),
+    ("too large", "too large for one page"),
+])
+def test_sidecar_paging_that_fails_part_way_keeps_what_it_found_and_says_why(
+        logs: dict[str, Path], tmp_path: Path, failure: str, why: str) -> None:
+    """1,001 reports in a real ``kvobs serve``: the logged failure's is the newest, on page 1; page 2
+    fails. The report found on page 1 is kept, and the output says where and why paging stopped."""
+    directory = tmp_path / "kvobs"
+    shutil.copytree(logs["dir"], directory)
+    [real] = sorted((directory / "failures").glob("*.json"))
+    report = json.loads(real.read_text())
+    for n in range(1000):  # older reports of other keys
+        other = {**report, "vllm_message": f"Chunk b'other{n}' not found in cache", "missing": [],
+                 "time": report["time"] - 1 - n}
+        (directory / "failures" / f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json").write_text(json.dumps(other))
+    sidecar = Sidecar(directory).start()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _failing_after_one_page(sidecar.url, failure))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        runs = [explain(str(logs["bare"]), "--sidecar", url, *mode) for mode in ([], ["--json"])]
+    finally:
+        server.shutdown()
+        server.server_close()
+        sidecar.stop()
+    for run in runs:
+        assert run.returncode == 0 and "Traceback" not in run.stderr, (run.stdout, run.stderr)
+    assert "cause evicted_after_lookup" in runs[0].stdout
+    assert "--sidecar: stopped after 1 page (1000 reports): " in runs[0].stdout, runs[0].stdout
+    [result] = json.loads(runs[1].stdout)
+    assert result["assertions"][0]["report_causes"] == ["evicted_after_lookup"]
+    [note] = result["damage"]
+    assert why in note and f"{url}/api/v1/failures?" in note and "older reports were not read" in note, note

@@ -131,27 +131,28 @@ def test_one_long_request_id_costs_no_other_requests_evidence(tmp_path: Path, si
     assert report["req_id"].startswith("yyy") and len(report["req_id"]) <= 4096
 
 
-def test_a_drained_run_is_never_one_line_longer_than_the_reader_takes(tmp_path: Path, sidecar: Any) -> None:
+@pytest.mark.parametrize("char", ["r", "\u00e9", "\U0001f600", "\x01", '"'],
+                         ids=["ascii", "e-acute", "emoji", "control", "quote"])
+def test_a_drained_run_is_never_one_line_longer_than_the_reader_takes(tmp_path: Path, sidecar: Any,
+                                                                       char: str) -> None:
     """The same class at the line level: 2,048 removals (one drain) by requests whose ids are 4,096
     characters (the request-id limit) made one line over the reader's 8 MiB: every batch lost.
-    The writer splits a run into lines the reader takes."""
+    The writer splits a run into lines the reader takes, measured as written: JSON writes an ``\u00e9``
+    as 6 bytes, an emoji as 12, a control character as 6, a quote as 2."""
     directory = tmp_path / "kvobs"
-    observer, sink = _engine(directory, engine="0")
+    observer, sink = _engine(directory, engine="0", journal_bytes=256 * 2**20)  # keeps the emoji's 100 MB
     for i in range(2048):
-        observer.recorder.removal([_key(i)], 0, [0.5], 1.0 + i, path=0, req_id=f"{i:04d}" + "r" * 4092)
+        observer.recorder.removal([_key(i)], 0, [0.5], 1.0 + i, path=0, req_id=f"{i:04d}" + char * 4092)
     observer.drain()
     sink.close()
     segments = sorted((directory / "journal").glob("*.jsonl"))
     lines = [line for path in segments for line in path.read_bytes().split(b"\n")]
     assert max(map(len, lines)) < MAX_LINE_BYTES
     url = sidecar(directory)
-    # /healthz turns 200 once the first ingest round ends; one round reads 8 MiB of a file, so the rest
-    # comes a round (0.5 s) later: wait for it (a line the reader cannot take would never arrive).
-    deadline = time.monotonic() + 10
-    while (values := scrape(url)) and time.monotonic() < deadline:
-        if _series(values, "kvobs_eviction_batches_total", reason="capacity") == [2048.0]:
-            break
-        time.sleep(0.2)
+    deadline = time.monotonic() + 60  # removals lines are read at most 8 MiB of a file per round
+    while (values := scrape(url)) and time.monotonic() < deadline and _series(
+            values, "kvobs_chunk_residency_seconds_count", reason="capacity") != [2048.0]:
+        time.sleep(0.5)
     assert skipped(values, "journal", "corrupt") == 0
     assert _series(values, "kvobs_chunk_residency_seconds_count", reason="capacity") == [2048.0]
     assert _series(values, "kvobs_eviction_batches_total", reason="capacity") == [2048.0]
