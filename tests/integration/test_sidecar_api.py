@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from services import ROOT, Sidecar, free_port, http_get, wait_for
+from services import ROOT, Sidecar, clean_env, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
 from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
@@ -32,11 +31,6 @@ from kvobs.sidecar.server import FailureQuery, failure_page
 def kvobs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvobs.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-def clean_env(**more: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOBS_")}
-    return {**env, **more}
 
 
 def test_version_is_the_installed_distributions() -> None:
