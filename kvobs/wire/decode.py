@@ -39,6 +39,7 @@ from kvobs.wire.format import (
     MAX_REPORT_BYTES,
     MAX_REQ_ID,
     MAX_SECONDS,
+    MAX_SHORT_LABEL,
     NOTE_KINDS,
     OBSERVING_REASONS,
     REPORT_SUFFIX,
@@ -56,6 +57,7 @@ from kvobs.wire.format import (
     fit_req_id,
     fit_text,
     is_count,
+    is_engine_label,
     is_hex_id,
     is_label,
     is_seconds,
@@ -90,7 +92,7 @@ def _column(value: Any, typecode: str) -> array | None:
 
 def decode_writer(engine: Any, pid: Any, run: Any, model: Any = "") -> Writer | None:
     """Who wrote a record (``run`` None: a writer before runs), or None if a field does not fit."""
-    if not is_label(engine) or not is_count(pid) or not (run is None or is_label(run, 64)):
+    if not is_engine_label(engine) or not is_count(pid) or not (run is None or is_label(run, MAX_SHORT_LABEL)):
         return None
     if not isinstance(model, str):
         return None
@@ -343,7 +345,7 @@ def decode_report(name: str, data: Any) -> Report | None:
         return None
     engine, when, cause = data.get("engine"), data.get("time"), data.get("cause")
     model = data.get("model_name", "")
-    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
+    if not is_engine_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
         return None
     model = fit_model_name(model)
     for name_ in ("history_keys", "num_keys", "num_missing"):
