@@ -68,7 +68,7 @@ from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.query import DEFAULT_FAILURES, QueryError, parse_params
 from kvobs.wire.decode import Report, read_report, report_files
-from kvobs.wire.format import FAILURES_DIR, REPORT_ID, report_time_ms
+from kvobs.wire.format import FAILURES_DIR, report_time_ms
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -150,9 +150,7 @@ class FailureQuery:
 
 def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:
     """(id, path) of the report files, newest first (ids sort by time; one order for ``before``)."""
-    # Only files named as kvobs names reports: every id served is one ``before`` accepts.
-    return sorted(((path.stem, path) for path in report_files(failures_dir) if REPORT_ID.fullmatch(path.stem)),
-                  key=lambda item: item[0], reverse=True)
+    return [(path.stem, path) for path in report_files(failures_dir)]
 
 
 def served_report(report: Report, report_id: str) -> dict[str, Any]:

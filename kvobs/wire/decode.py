@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import os
 import stat
@@ -42,6 +41,7 @@ from kvobs.wire.format import (
     MAX_SHORT_LABEL,
     NOTE_KINDS,
     OBSERVING_REASONS,
+    REPORT_ID,
     REPORT_SUFFIX,
     TOTAL_KEYS,
     TOTAL_LABELS,
@@ -386,11 +386,26 @@ def read_report(path: Path) -> Report:
     return report
 
 
+def list_reports(failures_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The report files in ``failures_dir``, newest first, and the other ``*.json`` files there.
+
+    The one rule of the sidecar's ingest, its API and ``kvobs explain --dir``: a report is a file named
+    as kvobs names them (:data:`REPORT_ID`; ids, hence names, sort by time), so every report listed is
+    one the API's ``before`` accepts; any other file is not a kvobs report (a reader that counts what
+    it skips counts it). Dot files are writes in progress, neither.
+    """
+    try:
+        files = [p for p in failures_dir.glob("*" + REPORT_SUFFIX) if not p.name.startswith(".")]
+    except OSError:
+        return [], []
+    # By id, not file name: the API's ``before`` compares ids ("-" sorts before ".json"'s ".").
+    reports = sorted((p for p in files if REPORT_ID.fullmatch(p.stem)), key=lambda p: p.stem, reverse=True)
+    return reports, sorted(p for p in files if not REPORT_ID.fullmatch(p.stem))
+
+
 def report_files(failures_dir: Path) -> list[Path]:
-    """Report file names in ``failures_dir``, newest first (names start with the millisecond wall time)."""
-    with contextlib.suppress(OSError):
-        return sorted((p for p in failures_dir.glob("*" + REPORT_SUFFIX) if not p.name.startswith(".")), reverse=True)
-    return []
+    """The report files in ``failures_dir``, newest first (:func:`list_reports`)."""
+    return list_reports(failures_dir)[0]
 
 
 def iter_reports(failures_dir: Path) -> Iterator[dict[str, Any]]:
