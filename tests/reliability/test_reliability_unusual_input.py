@@ -281,3 +281,4 @@ def test_a_file_kvobs_did_not_name_is_not_a_report_to_ingest_the_api_or_explain(
     assert run.returncode == 0, run.stderr
     [result] = json.loads(run.stdout)
     assert [i for a in result["assertions"] for i in a["reports"]] == [real.stem]  # 2 before
+    assert [n for n in result["damage"] if "copy-of-last-failure.json" in n and "skipped" in n], result["damage"]
