@@ -33,6 +33,7 @@ from kvobs.demo.engine import (
     offload_config,
     shared_prefix_workload,
 )
+from kvobs.wire.decode import report_files
 
 SERVED = "tiny-llama"
 DEFAULT_ENGINE_PYTHON = Path(".venv-cpu-0.32.0/bin/python")
@@ -133,8 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         print(textwrap.indent(textwrap.fill("AssertionError: " + message, WIDTH - 6), "      "), flush=True)
 
         _say("\n3. What kvobs kept, after the engine is gone:")
-        reports = sorted((directory / "failures").glob("*.json"))
-        _say(f"   failure report: {reports[-1] if reports else 'none'}")
+        reports = report_files(directory / "failures")  # newest first
+        _say(f"   failure report: {reports[0] if reports else 'none'}")
         failures = _metric_sum(_get(f"{url}/metrics").decode(), "kvobs_load_failures")
         _say(f"   the sidecar, still serving: kvobs_load_failures_total = {failures:.0f}; {url}/api/v1/failures")
         explained = run_child([sys.executable, "-m", "kvobs.cli", "explain", str(server.log_path), "--dir",

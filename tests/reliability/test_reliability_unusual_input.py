@@ -282,3 +282,18 @@ def test_a_file_kvobs_did_not_name_is_not_a_report_to_ingest_the_api_or_explain(
     [result] = json.loads(run.stdout)
     assert [i for a in result["assertions"] for i in a["reports"]] == [real.stem]  # 2 before
     assert [n for n in result["damage"] if "copy-of-last-failure.json" in n and "skipped" in n], result["damage"]
+
+
+def test_the_engine_prunes_only_its_own_reports(tmp_path: Path) -> None:
+    """The writer's ``max_reports`` pruning listed any ``*.json`` too: a file kvobs did not name counted toward
+    the limit and, sorting first, was deleted as the oldest report. It lists by the readers' rule now."""
+    directory = tmp_path / "kvobs"
+    (directory / "failures").mkdir(parents=True, mode=0o700)
+    stray = directory / "failures" / "000000000000000-notes.json"
+    stray.write_text("{}")
+    observer, sink = _engine(directory, engine="0", max_reports=2)
+    for _ in range(3):
+        _fail(observer, sink)
+    sink.close()
+    assert stray.exists()
+    assert len(list((directory / "failures").glob("*.json"))) == 3  # the stray and the 2 newest reports
