@@ -5,10 +5,11 @@ supervisor's SIGTERM, ``timeout``, a test's ``terminate()``, a closed terminal's
 the sidecar was orphaned and kept the port, and the next demo refused to start. Two mechanisms,
 because neither covers every case alone:
 
-* :func:`start_child` asks the kernel (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, set in the
-  child before it runs anything) to send the child SIGTERM when the thread that started it
-  ends, however that happens, SIGKILL included. A parent already gone by then is noticed (the
-  child's parent pid is no longer the starter's) and the child ends at once.
+* :func:`start_child` (and :func:`run_child`, its ``subprocess.run``) asks the kernel (Linux
+  ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, set in the child before it runs anything) to send the child
+  SIGTERM when the thread that started it ends, however that happens, SIGKILL included. A parent
+  already gone by then is noticed (the child's parent pid is no longer the starter's) and the child
+  ends at once.
 * :func:`ends_with_signals` turns SIGTERM and SIGHUP into :class:`Stopped` (a ``KeyboardInterrupt``,
   as SIGINT already is), so the parent's ``finally`` blocks run and :func:`stop_child` ends each
   child in order, bounded, also where there is no ``prctl`` (not Linux).
@@ -71,6 +72,22 @@ def _death_signal_setter() -> Callable[[], None] | None:
 def start_child(args: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(args, **popen)`` whose process gets SIGTERM when this thread ends (Linux)."""
     return subprocess.Popen(list(args), preexec_fn=_death_signal_setter(), **popen)
+
+
+def run_child(args: Sequence[str], *, check: bool = False, timeout: float | None = None,
+              **popen: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` through :func:`start_child`: the child ends with this process too, and is
+    stopped (:func:`stop_child`) when this returns early, whatever the reason (its timeout, a stop signal)."""
+    child = start_child(args, **popen)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except BaseException:
+        stop_child(child)
+        raise
+    done: subprocess.CompletedProcess[Any] = subprocess.CompletedProcess(list(args), child.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def stop_child(child: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT_S) -> None:

@@ -184,7 +184,7 @@ def _explain(args: argparse.Namespace) -> int:
                 name = source
             entries = scan.assertions
             if args.dir:
-                add_directory_evidence(entries, Path(args.dir))
+                scan.damage.extend(add_directory_evidence(entries, Path(args.dir)))  # files that are not reports
             if args.sidecar:
                 # where paging stopped, if it did
                 scan.damage.extend(add_sidecar_evidence(entries, args.sidecar, token))

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
 from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
-from kvobs.wire.decode import JournalPosition, iter_reports, read_records
+from kvobs.wire.decode import JournalPosition, iter_reports, list_reports, read_records
 from kvobs.wire.format import (
     FAILURES_DIR,
     JOURNAL_DIR,
@@ -271,10 +271,14 @@ def _report_matches(report: dict[str, Any], entry: LoggedAssertion) -> bool:
     )
 
 
-def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> None:
-    """Failure reports and journaled removals in a kvobs directory, for each logged key."""
+def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> list[str]:
+    """Failure reports and journaled removals in a kvobs directory, for each logged key; returns a note
+    naming the files in ``failures/`` that are not kvobs reports (skipped, as the sidecar skips them)."""
     if not directory.is_dir():
         raise ExplainError(f"--dir {directory}: not a directory (expected the KVOBS_DIR the engines wrote)")
+    strays = list_reports(directory / FAILURES_DIR)[1]
+    notes = [f"{len(strays)} *.json file(s) in {directory / FAILURES_DIR} not named as kvobs names reports, "
+             f"skipped: {', '.join(p.name for p in strays[:5])}{' ...' if len(strays) > 5 else ''}"] if strays else []
     for report in iter_reports(directory / FAILURES_DIR):
         for entry in entries:
             if _report_matches(report, entry):
@@ -291,6 +295,7 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> N
         for entry in entries:
             entry.removals.sort(key=lambda r: r["time"] or 0.0, reverse=True)
             del entry.removals[REMOVALS_SHOWN:]
+    return notes
 
 
 def _journal_removals(journal_dir: Path, refs: set[str]) -> Iterator[dict[str, Any]]:

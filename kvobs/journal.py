@@ -41,13 +41,13 @@ from kvobs.files import private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, NearMiss, RemovalRun
 from kvobs.observer import FailureEvent, Sink
 from kvobs.options import Options
+from kvobs.wire.decode import report_files
 from kvobs.wire.encode import bounded_report, encode_hello, encode_note, encode_removals, encode_totals, failure_report
 from kvobs.wire.format import (
     FAILURES_DIR,
     JOURNAL_DIR,
     JOURNAL_SUFFIX,
     MAX_LINE_BYTES,
-    REPORT_SUFFIX,
     Writer,
     fit_model_name,
     journal_name,
@@ -240,8 +240,8 @@ class JournalFiles:
         self._prune_reports()
 
     def _prune_reports(self) -> None:
-        reports = sorted(self.failures_dir.glob("*" + REPORT_SUFFIX))
-        for stale in reports[: max(0, len(reports) - self.max_reports)]:
+        reports = report_files(self.failures_dir)  # newest first; only kvobs's own (the readers' rule)
+        for stale in reports[self.max_reports :]:
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 

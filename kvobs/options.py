@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME
+from kvobs.wire.format import ENGINE_LABEL_RULE, MAX_MODEL_NAME, is_engine_label, is_model_name
 
 MIN_HISTORY_SIZE = 1_024
 MAX_HISTORY_SIZE = 100_000_000
@@ -89,14 +89,11 @@ def parse_options(raw: Mapping[str, Any], *, source: str = "kvobs option") -> Op
                 raise OptionError(f"{source} {name!r} must be true or false, got {value!r:.80}")
         elif name in _STRINGS and value is not None and (not isinstance(value, str) or not value):
             raise OptionError(f"{source} {name!r} must be a non-empty string, got {value!r}")
-        elif name == "engine" and value is not None and not ENGINE_LABEL.fullmatch(value):
+        elif name == "engine" and value is not None and not is_engine_label(value):
             raise OptionError(
-                f"{source} 'engine' must be 1-64 letters, digits, '_', '.', ':' or '-' and start with a letter or "
-                f"digit (it names the journal files), got {value!r}"
+                f"{source} 'engine' must be {ENGINE_LABEL_RULE} (it names the journal files), got {value!r:.300}"
             )
-        elif name == "model_name" and value is not None and (
-            len(value) > MAX_MODEL_NAME or not value.isprintable()
-        ):
+        elif name == "model_name" and value is not None and not is_model_name(value):
             raise OptionError(f"{source} 'model_name' must be at most {MAX_MODEL_NAME} printable characters, "
                               f"got {value!r:.300}")
         elif name == "tracer_provider" and value is not None and not callable(getattr(value, "get_tracer", None)):

@@ -1,11 +1,9 @@
 """Suite-wide check: the tests leave no process of their own behind (issue 21).
 
 Why: a ``kvobs serve`` started by a demo test was still running an hour after ``make test`` ended,
-holding its port. An orphan is re-parented away from pytest, so looking at pytest's children
-does not find it; its environment still does. Every process started during the session inherits
-``KVOBS_TEST_SESSION`` (a token of this run) and ``KVOBS_TEST_NODEID`` (the test that was
-running when it started); at the end of the session any live process carrying the token, other
-than pytest itself, is a leak: named with the test that started it, ended, and the session fails.
+holding its port. Every process started during the session carries the session's token in its
+environment (leaks.py says how they are found); at the end of the session any live one other
+than pytest itself is a leak: named with the test that started it, ended, and the session fails.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from leaks import SESSION_VAR, TEST_VAR, processes_of_this_session
 
-SESSION_VAR = "KVOBS_TEST_SESSION"
-TEST_VAR = "KVOBS_TEST_NODEID"
 GRACE_S = 5.0
 """Processes still ending when the session ends (a terminated child mid-exit) get this long."""
 
@@ -33,29 +30,6 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     os.environ[TEST_VAR] = item.nodeid
-
-
-def processes_of_this_session() -> dict[int, tuple[str, str]]:
-    """pid -> (the test that started it, its command line) of live processes carrying this session's token."""
-    token = f"{SESSION_VAR}={os.environ.get(SESSION_VAR, '')}".encode()
-    found: dict[int, tuple[str, str]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            if token not in environ:
-                continue
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone, or not ours to read
-            continue
-        if state in ("Z", "X"):  # ended, waiting to be reaped: not running
-            continue
-        test = next((v.decode(errors="replace").partition("=")[2] for v in environ
-                     if v.startswith(f"{TEST_VAR}=".encode())), "before the first test")
-        found[int(proc.name)] = (test, cmdline[:300])
-    return found
 
 
 @pytest.hookimpl(tryfirst=True)

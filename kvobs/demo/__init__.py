@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs.children import Stopped, ends_with_signals, start_child, stop_child, stops_deferred
 from kvobs.versions import SUPPORTED_VLLM, minor
+from kvobs.wire.decode import report_files
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -260,7 +261,7 @@ def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path,
     console.line(f"  the sidecar {agree}: {int(seen['kvobs_evicted_chunks'])} evicted, "
                  f"{int(seen['kvobs_load_failures'])} failed loads, "
                  f"{int(seen['kvobs_hits_evicted_before_load'])} near misses")
-    reports = len(list((directory / "failures").glob("*.json")))
+    reports = len(report_files(directory / "failures"))
     console.line("\nwhere to look")
     console.line(f"  metrics:          {url}/metrics")
     console.line(f"  failure reports:  {directory / 'failures'} ({reports} files), {url}/api/v1/failures")

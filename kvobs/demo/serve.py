@@ -24,7 +24,7 @@ import urllib.error
 from http.client import HTTPException
 from pathlib import Path
 
-from kvobs.children import Stopped, ends_with_signals, stop_child
+from kvobs.children import Stopped, ends_with_signals, run_child, stop_child
 from kvobs.demo.engine import (
     DEFECT_FIRED_SUFFIX as FIRED_SUFFIX,
     DEFECT_TRIGGER_ENV as TRIGGER_ENV,
@@ -33,6 +33,7 @@ from kvobs.demo.engine import (
     offload_config,
     shared_prefix_workload,
 )
+from kvobs.wire.decode import report_files
 
 SERVED = "tiny-llama"
 DEFAULT_ENGINE_PYTHON = Path(".venv-cpu-0.32.0/bin/python")
@@ -81,8 +82,9 @@ def _run(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{args.port}"
     _say(f"kvobs demo --serve: a real vllm serve on CPU ({python}), with kvobs; everything in {base}")
     _say("  building a tiny random Llama (nothing from a hub) ...")
-    subprocess.run([str(python), "-m", "kvobs.demo.tiny_model", str(model), "llama"], check=True,
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    run_child([str(python), "-m", "kvobs.demo.tiny_model", str(model), "llama"], check=True,
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     sidecar = _start_sidecar(directory, args.port)
     config = offload_config(
         kvobs_options={"dir": str(directory), "vllm_metrics": True},
@@ -133,12 +135,12 @@ def _run(args: argparse.Namespace) -> int:
         print(textwrap.indent(textwrap.fill("AssertionError: " + message, WIDTH - 6), "      "), flush=True)
 
         _say("\n3. What kvobs kept, after the engine is gone:")
-        reports = sorted((directory / "failures").glob("*.json"))
-        _say(f"   failure report: {reports[-1] if reports else 'none'}")
+        reports = report_files(directory / "failures")  # newest first
+        _say(f"   failure report: {reports[0] if reports else 'none'}")
         failures = _metric_sum(_get(f"{url}/metrics").decode(), "kvobs_load_failures")
         _say(f"   the sidecar, still serving: kvobs_load_failures_total = {failures:.0f}; {url}/api/v1/failures")
-        explained = subprocess.run([sys.executable, "-m", "kvobs.cli", "explain", str(server.log_path), "--dir",
-                                    str(directory)], capture_output=True, text=True, timeout=120)
+        explained = run_child([sys.executable, "-m", "kvobs.cli", "explain", str(server.log_path), "--dir",
+                               str(directory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
         _say(f"   kvobs explain {server.log_path} --dir {directory}:")
         print(textwrap.indent(explained.stdout.strip(), "      "), flush=True)
         _say("\nWhere to look: the README's 'Reading the message'; the Grafana dashboard (dashboards/) on the"

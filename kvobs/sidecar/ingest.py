@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvobs.files import private_dir, write_durably
 from kvobs.sidecar.state import SidecarState, load_checkpoint
-from kvobs.wire.decode import JournalPosition, read_new_records, read_report, report_files
+from kvobs.wire.decode import JournalPosition, list_reports, read_new_records, read_report
 from kvobs.wire.format import FAILURES_DIR, JOURNAL_DIR, JOURNAL_SUFFIX, stem_of
 
 logger = logging.getLogger("kvobs.sidecar")
@@ -159,11 +159,16 @@ class Ingest:
     def _read_reports(self) -> None:
         state = self.state
         try:
-            _check_listable(self.dir / FAILURES_DIR)  # report_files() would hide it as an empty directory
+            _check_listable(self.dir / FAILURES_DIR)  # list_reports() would hide it as an empty directory
             self.unreadable.pop(str(self.dir / FAILURES_DIR), None)
         except OSError as exc:
             self._unreadable(self.dir / FAILURES_DIR, exc)
-        paths = report_files(self.dir / FAILURES_DIR)
+        paths, strays = list_reports(self.dir / FAILURES_DIR)
+        for path in strays:
+            if path.name not in state.reports_seen:
+                state.reports_seen.add(path.name)
+                self._skip("report", "corrupt", path, "not a kvobs report: kvobs names them <15-digit ms time>-"
+                           "<engine>-<pid>-<n>.json")
         present = {str(path) for path in paths}
         for name in [n for n in self.unreadable if f"/{FAILURES_DIR}/" in n and n not in present]:
             del self.unreadable[name]  # an unreadable report that is gone (rotated out) is no longer a problem

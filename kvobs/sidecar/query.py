@@ -16,7 +16,15 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from kvobs.codes import CAUSES
-from kvobs.wire.format import ENGINE_LABEL, MAX_MODEL_NAME, REPORT_ID, is_model_name, is_seconds, parse_integer
+from kvobs.wire.format import (
+    ENGINE_LABEL_RULE,
+    MAX_MODEL_NAME,
+    REPORT_ID,
+    is_engine_label,
+    is_model_name,
+    is_seconds,
+    parse_integer,
+)
 
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
@@ -41,9 +49,8 @@ def _limit(text: str) -> int:
 
 
 def _engine(text: str) -> str:
-    if not ENGINE_LABEL.fullmatch(text):
-        raise ValueError("must be an engine label: 1-64 letters, digits, '_', '.', ':' or '-', starting with a "
-                         "letter or digit")
+    if not is_engine_label(text):
+        raise ValueError(f"must be an engine label: {ENGINE_LABEL_RULE}")
     return text
 
 

@@ -2,6 +2,9 @@
 
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
 gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
+``name[]`` (repeatable) keeps only the series it names, as prometheus_client's own exporter does.
+/metrics ignores any other parameter (a scrape config may add its own), /healthz and /livez ignore
+all: only /api/v1/failures refuses a parameter it does not know.
 
 ``GET /healthz``: 200 while the last ingest round is under 30 s old, else 503 (``status`` "first
 ingest round running" until the first round ends, which a long journal replay makes minutes; then
@@ -57,15 +60,15 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, GCCollector, Metric, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from kvobs.codes import BUCKETS
@@ -73,7 +76,7 @@ from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.query import DEFAULT_FAILURES, QueryError, parse_params
 from kvobs.wire.decode import Report, read_report, report_files
-from kvobs.wire.format import FAILURES_DIR, REPORT_ID, report_time_ms
+from kvobs.wire.format import FAILURES_DIR, report_time_ms
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -155,9 +158,7 @@ class FailureQuery:
 
 def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:
     """(id, path) of the report files, newest first (ids sort by time; one order for ``before``)."""
-    # Only files named as kvobs names reports: every id served is one ``before`` accepts.
-    return sorted(((path.stem, path) for path in report_files(failures_dir) if REPORT_ID.fullmatch(path.stem)),
-                  key=lambda item: item[0], reverse=True)
+    return [(path.stem, path) for path in report_files(failures_dir)]
 
 
 def served_report(report: Report, report_id: str) -> dict[str, Any]:
@@ -174,6 +175,30 @@ def served_report(report: Report, report_id: str) -> dict[str, Any]:
     return {**report.data, "missing_summary": {**summary, "bounds": summary.get("bounds", list(BUCKETS)),
                                                "ages": ages},
             "id": report_id}
+
+
+class _Named:
+    """A registry's series whose sample names ``name[]`` lists, as prometheus_client's own exporter
+    filters (scrape configs rely on it); written here because its ``restricted_registry`` leaves out a
+    collector that does not describe its series, as ours does not (the registry has no auto-describe)."""
+
+    def __init__(self, registry: CollectorRegistry, names: list[str]) -> None:
+        self.registry, self.names = registry, set(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            samples = [sample for sample in metric.samples if sample.name in self.names]
+            if samples:
+                kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                kept.samples = samples
+                yield kept
+
+
+def _restricted(registry: CollectorRegistry, query: str) -> Any:
+    """The registry, or only the series ``name[]`` names. Any other parameter is ignored (a scrape
+    config may add its own)."""
+    names = parse_qs(query).get("name[]")
+    return _Named(registry, names) if names else registry
 
 
 def failure_page(failures_dir: Path, query: FailureQuery) -> tuple[list[dict[str, Any]], str | None]:
@@ -330,7 +355,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if url.path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            body = encoder(self.server.registry)
+            body = encoder(_restricted(self.server.registry, url.query))
             gzipped = _accepts_gzip(self.headers.get("Accept-Encoding", ""))
             self._send(HTTPStatus.OK, gzip.compress(body, compresslevel=5) if gzipped else body, content_type, gzipped)
         elif url.path == "/healthz":

@@ -32,6 +32,7 @@ from kvobs.wire.format import (
     Totals,
     Writer,
     is_count,
+    is_engine_label,
     is_hex_id,
     is_label,
     is_model_name,
@@ -240,7 +241,7 @@ class _Restore:
             if not isinstance(engines, list):
                 raise ValueError("bad engines")
         for e in engines:
-            if not isinstance(e, dict) or not is_label(e.get("engine")) or not is_model_name(e.get("model_name")):
+            if not (isinstance(e, dict) and is_engine_label(e.get("engine")) and is_model_name(e.get("model_name"))):
                 raise ValueError("bad engine labels")
             self._engine(state.engine((e["model_name"], e["engine"])), e)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import os
 import stat
@@ -39,8 +38,10 @@ from kvobs.wire.format import (
     MAX_REPORT_BYTES,
     MAX_REQ_ID,
     MAX_SECONDS,
+    MAX_SHORT_LABEL,
     NOTE_KINDS,
     OBSERVING_REASONS,
+    REPORT_ID,
     REPORT_SUFFIX,
     TOTAL_KEYS,
     TOTAL_LABELS,
@@ -56,6 +57,7 @@ from kvobs.wire.format import (
     fit_req_id,
     fit_text,
     is_count,
+    is_engine_label,
     is_hex_id,
     is_label,
     is_seconds,
@@ -90,7 +92,7 @@ def _column(value: Any, typecode: str) -> array | None:
 
 def decode_writer(engine: Any, pid: Any, run: Any, model: Any = "") -> Writer | None:
     """Who wrote a record (``run`` None: a writer before runs), or None if a field does not fit."""
-    if not is_label(engine) or not is_count(pid) or not (run is None or is_label(run, 64)):
+    if not is_engine_label(engine) or not is_count(pid) or not (run is None or is_label(run, MAX_SHORT_LABEL)):
         return None
     if not isinstance(model, str):
         return None
@@ -343,7 +345,7 @@ def decode_report(name: str, data: Any) -> Report | None:
         return None
     engine, when, cause = data.get("engine"), data.get("time"), data.get("cause")
     model = data.get("model_name", "")
-    if not is_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
+    if not is_engine_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
         return None
     model = fit_model_name(model)
     for name_ in ("history_keys", "num_keys", "num_missing"):
@@ -384,11 +386,26 @@ def read_report(path: Path) -> Report:
     return report
 
 
+def list_reports(failures_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The report files in ``failures_dir``, newest first, and the other ``*.json`` files there.
+
+    The one rule of the sidecar's ingest, its API and ``kvobs explain --dir``: a report is a file named
+    as kvobs names them (:data:`REPORT_ID`; ids, hence names, sort by time), so every report listed is
+    one the API's ``before`` accepts; any other file is not a kvobs report (a reader that counts what
+    it skips counts it). Dot files are writes in progress, neither.
+    """
+    try:
+        files = [p for p in failures_dir.glob("*" + REPORT_SUFFIX) if not p.name.startswith(".")]
+    except OSError:
+        return [], []
+    # By id, not file name: the API's ``before`` compares ids ("-" sorts before ".json"'s ".").
+    reports = sorted((p for p in files if REPORT_ID.fullmatch(p.stem)), key=lambda p: p.stem, reverse=True)
+    return reports, sorted(p for p in files if not REPORT_ID.fullmatch(p.stem))
+
+
 def report_files(failures_dir: Path) -> list[Path]:
-    """Report file names in ``failures_dir``, newest first (names start with the millisecond wall time)."""
-    with contextlib.suppress(OSError):
-        return sorted((p for p in failures_dir.glob("*" + REPORT_SUFFIX) if not p.name.startswith(".")), reverse=True)
-    return []
+    """The report files in ``failures_dir``, newest first (:func:`list_reports`)."""
+    return list_reports(failures_dir)[0]
 
 
 def iter_reports(failures_dir: Path) -> Iterator[dict[str, Any]]:

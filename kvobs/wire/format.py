@@ -56,7 +56,9 @@ MAX_GROUP = 2**32 - 1
 # -- the text limits writer and reader share (one definition each; the writer fits to them) --
 
 MAX_LABEL = 256
-"""An ``engine`` label or another short text field (kvobs's own engine labels are 1-64 characters)."""
+"""A short text field of a ``hello`` (versions, the hot path's name)."""
+MAX_SHORT_LABEL = 64
+"""A writer's ``run`` and a counter's label (a totals record's map keys, and the checkpoint's)."""
 MAX_MODEL_NAME = 4096
 """A ``model_name`` label: PATH_MAX, so any model path vLLM takes as its served name fits whole and
 kvobs's label still joins vLLM's (the ``model_name`` option has the same limit, kvobs.options)."""
@@ -64,9 +66,13 @@ MAX_REQ_ID = 4096
 """A request id in a removals line or a report: clients choose them, so longer ones are fitted."""
 MAX_DETAIL = 500
 """Why an engine runs unobserved (a ``hello``'s ``detail``)."""
-ENGINE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
-"""An ``engine`` label kvobs writes (the option is checked against it): it names the engine's journal
-files and reports, so it must be a safe file name."""
+MAX_ENGINE_LABEL = 64
+ENGINE_LABEL = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{MAX_ENGINE_LABEL - 1}}}")
+"""An ``engine`` label (:func:`is_engine_label`): it names the engine's journal files and reports, so it
+must be a safe file name."""
+ENGINE_LABEL_RULE = (f"1-{MAX_ENGINE_LABEL} letters, digits, '_', '.', ':' or '-', starting with a letter "
+                     "or digit")
+""":data:`ENGINE_LABEL` in words, for the errors of the option check and the API."""
 REPORT_ID = re.compile(rf"\d{{15}}-(?:{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
 """A failure report's id, the stem of its file name (:func:`report_name`); ids sort by time."""
 
@@ -219,6 +225,11 @@ def is_label(value: Any, max_len: int = MAX_LABEL) -> TypeIs[str]:
     return isinstance(value, str) and 0 < len(value) <= max_len
 
 
+def is_engine_label(value: Any) -> TypeIs[str]:
+    """An ``engine`` label as kvobs writes it: the one check of the option, the reader and the API."""
+    return isinstance(value, str) and ENGINE_LABEL.fullmatch(value) is not None
+
+
 def is_model_name(value: Any) -> TypeIs[str]:
     """A ``model_name`` label value as kvobs writes it ("" when not known)."""
     return isinstance(value, str) and len(value) <= MAX_MODEL_NAME and value.isprintable()
@@ -261,13 +272,13 @@ def fit_req_id(value: str | None) -> str | None:
 
 
 def counter_map(value: Any, labels: Sequence[str] | None = None) -> dict[str, float] | None:
-    """A ``{label: count}`` map of a totals record (labels of at most 64 characters, within ``labels``
-    when given), or None if any entry does not fit."""
+    """A ``{label: count}`` map of a totals record (labels of at most ``MAX_SHORT_LABEL`` characters, within
+    ``labels`` when given), or None if any entry does not fit."""
     if not isinstance(value, dict):
         return None
     out: dict[str, float] = {}
     for label, count in value.items():
-        if not is_label(label, 64) or not is_count(count) or (labels is not None and label not in labels):
+        if not is_label(label, MAX_SHORT_LABEL) or not is_count(count) or (labels is not None and label not in labels):
             return None
         out[label] = float(count)
     return out

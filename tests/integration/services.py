@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,12 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def clean_env(**more: str) -> dict[str, str]:
+    """This environment without kvobs's settings (``KVOBS_*``), plus ``more``: a command as an operator runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOBS_")}
+    return {**env, **more}
 
 
 def free_port() -> int:

@@ -230,3 +230,37 @@ def http_get_ok(url: str) -> bool:
         return http_get(url)[0] == 200
     except OSError:
         return False
+
+
+def test_the_serve_demos_model_build_ends_when_the_demo_is_killed(tmp_path: Path) -> None:
+    """Issue 21: ``kvobs demo --serve``'s tiny-model build was a plain ``subprocess.run``: SIGKILL of the
+    demo left it running. The engine python is a stand-in that sleeps where the build would work, so the
+    build is reliably in progress when the demo is killed."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec sleep 120\n")
+    python.chmod(0o755)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvobs.cli", "demo", "--serve", "--engine-python", str(python),
+         "--dir", str(tmp_path / "demo"), "--port", str(free_port())],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    builds: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not builds:
+            builds = _children(demo.pid)
+            time.sleep(0.05)
+        [build] = builds
+        demo.kill()
+        demo.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _alive(build) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(build), f"the model build (pid {build}) outlived the demo's SIGKILL"
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid in builds:  # a failing run must not leak it into the rest of the suite
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

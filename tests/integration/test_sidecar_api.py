@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from services import ROOT, Sidecar, free_port, http_get, wait_for
+from services import ROOT, Sidecar, clean_env, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
 from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
@@ -32,11 +31,6 @@ from kvobs.sidecar.server import FailureQuery, failure_page
 def kvobs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvobs.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-def clean_env(**more: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOBS_")}
-    return {**env, **more}
 
 
 def test_version_is_the_installed_distributions() -> None:
@@ -99,6 +93,33 @@ def test_metrics_are_gzipped_when_the_scraper_asks(tmp_path: Path) -> None:
     assert plain[0] == zipped[0] == 200
     assert zipped[2][:2] == b"\x1f\x8b"  # the gzip magic: compressed, not sent as is
     assert b"kvobs_sidecar_engines" in plain[2] and b"kvobs_sidecar_engines" in gzip.decompress(zipped[2])
+
+
+def _family_names(body: bytes) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name for family in text_string_to_metric_families(body.decode())}
+
+
+def test_metrics_take_name_filters_as_prometheus_client_does_and_ignore_other_parameters(tmp_path: Path) -> None:
+    """/metrics?name[]=... returns only those series (prometheus_client's own exporter does, and scrape
+    configs use it); any other parameter a scrape config adds is ignored, as on /healthz and /livez:
+    only /api/v1/failures refuses what it does not know."""
+    sidecar = Sidecar(tmp_path / "kvobs").start()
+    try:
+        whole = http_get(f"{sidecar.url}/metrics")
+        named = http_get(f"{sidecar.url}/metrics?" + urlencode([("name[]", "kvobs_sidecar_engines"),
+                                                                  ("name[]", "kvobs_sidecar_records_total")]))
+        other = http_get(f"{sidecar.url}/metrics?module=kvobs&target=x")
+        health = http_get(f"{sidecar.url}/healthz?verbose=1")[0], http_get(f"{sidecar.url}/livez?x")[0]
+        refused = http_get(f"{sidecar.url}/api/v1/failures?module=kvobs")[0]
+    finally:
+        sidecar.stop()
+    assert whole[0] == named[0] == other[0] == 200
+    assert {"kvobs_sidecar_engines", "kvobs_sidecar_build_info"} <= _family_names(whole[2])
+    assert _family_names(named[2]) == {"kvobs_sidecar_engines", "kvobs_sidecar_records"}
+    assert _family_names(other[2]) == _family_names(whole[2])
+    assert health == (200, 200) and refused == 400
 
 
 # ---- /api/v1/failures over real reports -------------------------------------------------------------

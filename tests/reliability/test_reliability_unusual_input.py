@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 from removals import record_removal
-from services import http_get
+from services import ROOT, http_get
 from test_reliability_sidecar_input import scrape, serve, skipped
 
 from kvobs.diagnosis import MISSING
@@ -259,3 +260,47 @@ def test_a_number_no_float_holds_is_skipped_not_fatal(tmp_path: Path, sidecar: A
     url = sidecar(directory)
     assert skipped(scrape(url), "report", "corrupt") == 1
     assert len(json.loads(http_get(f"{url}/api/v1/failures")[2])["failures"]) == 1
+
+
+# -- class 1: one rule for what a report file is, for the sidecar's ingest, its API and kvobs explain ----------
+
+
+def test_a_file_kvobs_did_not_name_is_not_a_report_to_ingest_the_api_or_explain(tmp_path: Path, sidecar: Any) -> None:
+    """The API listed only files named as report ids while ingest and ``kvobs explain --dir`` took any
+    ``*.json``: a copy of a real report under another name (an operator's ``cp``, a backup) doubled the
+    sidecar's missing-chunk counts and explain's matched reports, yet the API did not serve it. Now one
+    listing rule (``wire.decode.report_files``); ingest counts the stray file as skipped, once."""
+    directory = tmp_path / "kvobs"
+    observer, sink = _engine(directory, engine="0")
+    _fail(observer, sink)
+    sink.close()
+    [real] = (directory / "failures").glob("*.json")
+    (directory / "failures" / "copy-of-last-failure.json").write_bytes(real.read_bytes())
+    url = sidecar(directory)
+    values = scrape(url)
+    assert _series(values, "kvobs_missing_chunks_total", cause="coverage_mismatch") == [1.0]  # 2.0 before
+    assert skipped(values, "report", "corrupt") == 1  # counted: not silently lost
+    assert [f["id"] for f in json.loads(http_get(f"{url}/api/v1/failures")[2])["failures"]] == [real.stem]
+    log = tmp_path / "vllm.log"
+    log.write_text(f"AssertionError: {json.loads(real.read_text())['message']}\n")
+    run = subprocess.run([sys.executable, "-m", "kvobs.cli", "explain", str(log), "--dir", str(directory), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    [result] = json.loads(run.stdout)
+    assert [i for a in result["assertions"] for i in a["reports"]] == [real.stem]  # 2 before
+    assert [n for n in result["damage"] if "copy-of-last-failure.json" in n and "skipped" in n], result["damage"]
+
+
+def test_the_engine_prunes_only_its_own_reports(tmp_path: Path) -> None:
+    """The writer's ``max_reports`` pruning listed any ``*.json`` too: a file kvobs did not name counted toward
+    the limit and, sorting first, was deleted as the oldest report. It lists by the readers' rule now."""
+    directory = tmp_path / "kvobs"
+    (directory / "failures").mkdir(parents=True, mode=0o700)
+    stray = directory / "failures" / "000000000000000-notes.json"
+    stray.write_text("{}")
+    observer, sink = _engine(directory, engine="0", max_reports=2)
+    for _ in range(3):
+        _fail(observer, sink)
+    sink.close()
+    assert stray.exists()
+    assert len(list((directory / "failures").glob("*.json"))) == 3  # the stray and the 2 newest reports

@@ -9,7 +9,9 @@ import random
 import subprocess
 import sys
 from array import array
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 
@@ -19,7 +21,7 @@ from kvobs.wire.decode import decode_record
 from kvobs.wire.encode import encode_hello, encode_removals, encode_totals
 from kvobs.wire.format import KEYS_LISTED, Ages, Removals, Writer, key_ref, ref_text
 
-W = Writer('dp"0\\é', 1234, "abcdef")
+W = Writer("dp0:a.b_c-1", 1234, "abcdef")  # an engine label kvobs writes (the reader takes no other)
 
 
 def _run(rng: random.Random, batches: int, key_len: int | None = 36, big: int = 0) -> tuple[RemovalRun, list[Any]]:
@@ -198,3 +200,60 @@ def test_the_checkpoint_refuses_a_writer_the_journal_decoder_refuses() -> None:
     saved["engines"][0]["hello"]["writer"][1] = -1
     with pytest.raises(ValueError, match="bad hello"):
         SidecarState.from_json(saved)
+
+
+def _real_report(directory: Path) -> Path:
+    """A failure report as kvobs writes one, from a failed load through the real observer and sink."""
+    from kvobs.diagnosis import MISSING
+    from kvobs.journal import JournalSink
+    from kvobs.observer import FailureEvent, Observer, Unloadable
+    from kvobs.options import Options
+
+    observer = Observer(Options(engine="0"))
+    sink = JournalSink(directory, observer, "test")
+    observer.add_sink(sink)
+    diagnosis = observer.load_failed("Chunk b'x' not found in cache", "req", 1, None,
+                                     [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
+    sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+    sink.close()
+    [report] = (directory / "failures").glob("*.json")
+    return report
+
+
+@pytest.mark.parametrize("engine", ["0", "dp0:a.b_c-1", "e" * 64, "e" * 65, "../dp0", "node a", "-dp0", "dp0/1",
+                                    "dpé", "", "e" * 256])
+def test_the_reader_the_option_check_and_the_api_take_the_same_engine_labels(engine: str, tmp_path: Path) -> None:
+    """Issue 21, class 1: the reader took any 1-256 characters as an ``engine`` where the option check and
+    the API take only safe file names, so a record the writer never writes was read, and a label read could
+    not be asked for. One predicate (``wire.format.is_engine_label``) for all three."""
+    from kvobs.options import OptionError, parse_options
+    from kvobs.sidecar.query import QueryError, parse_params
+    from kvobs.wire.decode import decode_report
+
+    try:
+        parse_options({"engine": engine})
+        by_option = True
+    except OptionError:
+        by_option = False
+    try:
+        parse_params(urlencode({"engine": engine}))
+        by_api = True
+    except QueryError:
+        by_api = False
+    totals = json.loads(encode_totals(W, 1.0, {}, history_keys=1, history_window_s=0.5, seq=1)) | {"e": engine}
+    by_journal = decode_record(totals) is not None
+    report = json.loads(_real_report(tmp_path).read_text()) | {"engine": engine}
+    by_report = decode_report("000000000000001-0-1-0", report) is not None
+    assert by_option == by_api == by_journal == by_report, (by_option, by_api, by_journal, by_report)
+
+
+def test_the_option_check_and_the_api_say_the_same_engine_rule() -> None:
+    from kvobs.options import OptionError, parse_options
+    from kvobs.sidecar.query import QueryError, parse_params
+    from kvobs.wire.format import ENGINE_LABEL_RULE
+
+    with pytest.raises(OptionError) as option:
+        parse_options({"engine": "../dp0"})
+    with pytest.raises(QueryError) as api:
+        parse_params("engine=..%2Fdp0")
+    assert ENGINE_LABEL_RULE in str(option.value) and ENGINE_LABEL_RULE in str(api.value)
