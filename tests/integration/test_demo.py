@@ -185,6 +185,24 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _ends(pid: int, timeout: float = 15) -> bool:
+    """Whether ``pid`` is gone within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+def _clean_up(demo: subprocess.Popen[bytes], children: set[int]) -> None:
+    """A failing run must not leak the demo or its children into the rest of the suite."""
+    if demo.poll() is None:
+        demo.kill()
+        demo.wait()
+    for pid in children:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: signal.Signals) -> None:
     """Issue 21: a supervisor's SIGTERM, a closed terminal's SIGHUP, even SIGKILL (which no handler sees:
@@ -211,18 +229,10 @@ def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: 
             demo.kill()
             err = demo.communicate()[1] or b""
             raise AssertionError(f"the demo did not end within 30 s of {sig.name}: {err.decode()[-3000:]}") from None
-        deadline = time.monotonic() + 15
-        while _alive(sidecar) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(sidecar), f"kvobs serve (pid {sidecar}) outlived the demo ended by {sig.name}"
+        assert _ends(sidecar), f"kvobs serve (pid {sidecar}) outlived the demo ended by {sig.name}"
         assert status == (-sig if sig == signal.SIGKILL else 128 + sig), demo.stderr.read() if demo.stderr else ""
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-        for pid in sidecars:  # a failing run must not leak it into the rest of the suite
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _clean_up(demo, sidecars)
 
 
 def http_get_ok(url: str) -> bool:
@@ -253,14 +263,6 @@ def test_the_serve_demos_model_build_ends_when_the_demo_is_killed(tmp_path: Path
         [build] = builds
         demo.kill()
         demo.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        while _alive(build) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(build), f"the model build (pid {build}) outlived the demo's SIGKILL"
+        assert _ends(build), f"the model build (pid {build}) outlived the demo's SIGKILL"
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-        for pid in builds:  # a failing run must not leak it into the rest of the suite
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _clean_up(demo, builds)

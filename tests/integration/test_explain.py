@@ -450,17 +450,23 @@ def test_a_log_kvobs_cannot_decode_is_said_so_and_why(tmp_path: Path, data: byte
 # -- --sidecar follows the API's paging, bounded (issue 21) ----------------------------------------
 
 
-def test_sidecar_reports_on_a_later_page_are_found(logs: dict[str, Path], tmp_path: Path) -> None:
-    """1,001 reports: the logged failure's is the oldest, on the API's second page of 1,000."""
+def with_other_reports(logs: dict[str, Path], tmp_path: Path, *, newer: bool) -> Path:
+    """A copy of the logged run's directory plus 1,000 reports of other keys, all newer or all older
+    than the logged failure's: it lands on the API's second page of 1,000, or stays on the first."""
     directory = tmp_path / "kvobs"
     shutil.copytree(logs["dir"], directory)
     [real] = sorted((directory / "failures").glob("*.json"))
     report = json.loads(real.read_text())
-    for n in range(1000):  # newer reports of other keys
+    for n in range(1000):
         other = {**report, "vllm_message": f"Chunk b'other{n}' not found in cache", "missing": [],
-                 "time": report["time"] + 1 + n}
-        name = f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json"
-        (directory / "failures" / name).write_text(json.dumps(other))
+                 "time": report["time"] + (1 + n if newer else -1 - n)}
+        (directory / "failures" / f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json").write_text(json.dumps(other))
+    return directory
+
+
+def test_sidecar_reports_on_a_later_page_are_found(logs: dict[str, Path], tmp_path: Path) -> None:
+    """1,001 reports: the logged failure's is the oldest, on the API's second page of 1,000."""
+    directory = with_other_reports(logs, tmp_path, newer=True)
     sidecar = Sidecar(directory).start()
     try:
         run = explain(str(logs["bare"]), "--sidecar", sidecar.url, "--json")
@@ -543,14 +549,7 @@ def test_sidecar_paging_that_fails_part_way_keeps_what_it_found_and_says_why(
         logs: dict[str, Path], tmp_path: Path, failure: str, why: str) -> None:
     """1,001 reports in a real ``kvobs serve``: the logged failure's is the newest, on page 1; page 2
     fails. The report found on page 1 is kept, and the output says where and why paging stopped."""
-    directory = tmp_path / "kvobs"
-    shutil.copytree(logs["dir"], directory)
-    [real] = sorted((directory / "failures").glob("*.json"))
-    report = json.loads(real.read_text())
-    for n in range(1000):  # older reports of other keys
-        other = {**report, "vllm_message": f"Chunk b'other{n}' not found in cache", "missing": [],
-                 "time": report["time"] - 1 - n}
-        (directory / "failures" / f"{int(other['time'] * 1000):015d}-dp0-1-{n}.json").write_text(json.dumps(other))
+    directory = with_other_reports(logs, tmp_path, newer=False)
     sidecar = Sidecar(directory).start()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _failing_after_one_page(sidecar.url, failure))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
