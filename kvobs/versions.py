@@ -7,7 +7,7 @@ release venvs).
 
 from __future__ import annotations
 
-SUPPORTED_VLLM: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+SUPPORTED_VLLM: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 """Oldest first. Differences between them are detected by feature, never by this list (compat.py)."""
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import mmap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -388,7 +388,8 @@ class EngineStepDriver:
                 continue
             self._admit(state, 0, num_scheduled, new_reqs)
 
-        output = SchedulerOutput(
+        output = compat.scheduler_output(
+            len(self.kv_cache_config.kv_cache_groups),
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -397,8 +398,6 @@ class EngineStepDriver:
             scheduled_encoder_inputs={},
             finished_req_ids=set(self._finished),
             free_encoder_mm_hashes=[],
-            # Required before 0.32, optional since; the connector never reads it.
-            num_common_prefix_blocks=[0] * len(self.kv_cache_config.kv_cache_groups),
         )
         self._finished.clear()
         meta = self.scheduler.build_connector_meta(output)
@@ -423,7 +422,7 @@ class EngineStepDriver:
         self.scheduler.update_state_after_alloc(request, self._blocks(state), 0)
         request.status = RequestStatus.RUNNING
         num_scheduled[request.request_id] = request.num_tokens - num_computed
-        new_reqs.append(NewRequestData.from_request(request, tuple(list(b) for b in state.block_ids)))
+        new_reqs.append(compat.new_request_data(request, tuple(list(b) for b in state.block_ids)))
 
     def _drop(self, request: Request) -> None:
         """Abort a request whose load failed: the connector forgets it at the next step."""
@@ -470,8 +469,10 @@ class EngineStepDriver:
         self.scheduler.request_finished(request)
         self._finished.add(request.request_id)
 
-    def report_worker_jobs(self, job_ids: Iterable[int], transfer_stats: TransferStats | None = None) -> None:
-        """SIMULATED worker side: every worker reports these transfer jobs as done.
+    def report_worker_jobs(self, job_ids: Iterable[int], transfer_stats: TransferStats | None = None,
+                           *, failed: Collection[int] = ()) -> None:
+        """SIMULATED worker side: every worker reports these transfer jobs as done (those in
+        ``failed`` as failed, vLLM 0.34's ``OffloadingWorkerMetadata.failed_jobs``).
 
         This is the only simulated vLLM behaviour. The GPU worker cannot run on CPU; all the
         scheduler learns from it is ``OffloadingWorkerMetadata.completed_jobs`` (one count per
@@ -492,8 +493,8 @@ class EngineStepDriver:
         self.scheduler.update_connector_output(
             KVConnectorOutput(
                 finished_recving=finished_recving or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(
-                    completed_jobs=completed, transfer_stats=transfer_stats or TransferStats()
+                kv_connector_worker_meta=compat.worker_metadata(
+                    OffloadingWorkerMetadata, completed, set(failed), transfer_stats or TransferStats()
                 ),
             )
         )

@@ -105,6 +105,9 @@ HAS_LOCK = isinstance(getattr(OffloadingManager, "lock", None), property)
 POLICY_TABLES = ("chunks", "t1", "t2")
 """Where the built-in policies keep resident chunks (LRU: ``chunks``; ARC: ``t1``, ``t2``)."""
 POLICY_METHODS = ("evict", "remove", "clear", "insert", "get")
+DEFERRED_RELEASE_METHOD = "defer_write_release"
+"""0.34: the tiering CPU tier's method that fails a promotion's pending writes and removes their keys
+through ``policy.remove`` with the slots held (recorded as the ``deferred_release`` reason)."""
 
 class Method(NamedTuple):
     """One row of :data:`PROTOCOL`: an ``OffloadingManager`` method and how kvobs forwards it."""
@@ -134,7 +137,7 @@ PROTOCOL: tuple[Method, ...] = (
     Method("lookup", "lookup", "lookup", (b"", None), ("exclude_tier_idx",)),
     Method("get_load_source", "pass", None, None, everywhere=False),
     Method("prepare_load", "load", None, ((), None)),
-    Method("touch", "pass", None, None),
+    Method("touch", "pass", None, None, everywhere=False),
     Method("complete_load", "pass", None, None),
     Method("prepare_store", "keys", "store", ((), None)),
     Method("complete_store", "keys", "complete_store", ((), None, True)),
@@ -268,18 +271,22 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     The taps are instance attributes calling the original bound methods, so the policy
     stays the same object of the same class with the same state.
     """
-    from kvobs.hot_path_loader import ClearTap, EvictTap, InsertTap, RemoveTap
+    from kvobs.hot_path_loader import ClearTap, DeferredReleaseTap, EvictTap, InsertTap, RemoveTap
 
     policy = cpu._policy
+    remove = RemoveTap(recorder, policy.remove, lambda key: policy.get(OffloadKey(key)))
     taps: list[tuple[str, Callable[..., Any]]] = [
         ("evict", EvictTap(recorder, policy.evict)),
-        ("remove", RemoveTap(recorder, policy.remove, lambda key: policy.get(OffloadKey(key)))),
+        ("remove", remove),
         ("clear", ClearTap(recorder, policy.clear, lambda: resident_chunks(policy))),
     ]
     if stamp_inserts:
         taps.append(("insert", InsertTap(recorder, policy.insert)))
     for name, tap in taps:
         setattr(policy, name, tap)
+    release = getattr(cpu, DEFERRED_RELEASE_METHOD, None)
+    if callable(release):  # 0.34's tiering CPU tier
+        setattr(cpu, DEFERRED_RELEASE_METHOD, DeferredReleaseTap(recorder, release, remove))
 
 
 def chunk_state(cpu: Any, key: bytes) -> str | None:
@@ -295,6 +302,45 @@ def key_position(req_context: Any, key: bytes) -> int | None:
     if not HAS_KEY_POSITIONS:
         return None
     return req_context.get_offload_key_position(key)
+
+
+def new_request_data(request: Any, block_ids: tuple[list[int], ...]) -> Any:
+    """vLLM's ``NewRequestData`` for a request a harness schedules: 0.34 requires ``prefill_token_ids``,
+    the request's own (``Request.prefill_token_ids``), as its scheduler passes them; before, it is
+    optional or absent and left out, as their schedulers do for a plain prefill."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    parameter = inspect.signature(NewRequestData.from_request).parameters.get("prefill_token_ids")
+    if parameter is not None and parameter.default is inspect.Parameter.empty:
+        return NewRequestData.from_request(request, block_ids, request.prefill_token_ids)
+    return NewRequestData.from_request(request, block_ids)  # type: ignore[call-arg]  # (before 0.34)
+
+
+def scheduler_output(num_groups: int, **fields: Any) -> Any:
+    """vLLM's ``SchedulerOutput`` for a harness's step: ``num_common_prefix_blocks`` (one zero per KV
+    cache group) where the release has that field (required before 0.32, optional in 0.32-0.33, gone
+    in 0.34; the connector never reads it)."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if any(f.name == "num_common_prefix_blocks" for f in dataclasses.fields(SchedulerOutput)):
+        fields["num_common_prefix_blocks"] = [0] * num_groups
+    return SchedulerOutput(**fields)
+
+
+def worker_metadata(cls: type[Any], completed: dict[int, int], failed: set[int], transfer_stats: Any) -> Any:
+    """The workers' ``OffloadingWorkerMetadata`` for a harness: ``failed`` jobs are reported failed,
+    which only 0.34 can say (``failed_jobs``; the connector then calls ``complete_store(success=False)``
+    for a store and never loads the request from the tier again for a load). Before 0.34 a worker had
+    no way to report a failed job: asking for one raises ``ProtocolMismatch``."""
+    import dataclasses
+
+    if not failed:
+        return cls(completed_jobs=completed, transfer_stats=transfer_stats)
+    if not any(f.name == "failed_jobs" for f in dataclasses.fields(cls)):
+        raise ProtocolMismatch(f"vLLM {VLLM_VERSION}'s workers cannot report a failed transfer job")
+    return cls(completed_jobs=completed, failed_jobs=failed, transfer_stats=transfer_stats)
 
 
 def request_context(connector_scheduler: Any, request_id: str) -> Any | None:
@@ -414,13 +460,14 @@ def worker_offload_region(spec: Any) -> Any:
     )
 
 
-# -- survive mode (kvobs/vllm/survive.py): what it reads of vLLM's connector, the same on 0.30-0.33 ------
+# -- survive mode (kvobs/vllm/survive.py): what it reads of vLLM's connector, the same on 0.30-0.34 ------
 #
 # * ``KVTransferConfig.kv_load_failure_policy`` ("fail" | "recompute"), read by vLLM's
 #   ``Scheduler.__init__``; with "recompute", ``Scheduler._handle_invalid_blocks`` truncates a request at
 #   the first GPU block a worker reported through ``get_block_ids_with_load_errors()`` and recomputes
 #   from there. The block ids are a flat set: vLLM maps them back to requests only with one KV cache
-#   group (0.33 raises for more; 0.30-0.32 read group 0 alone);
+#   group (0.33 and 0.34 raise for more; 0.30-0.32 read group 0 alone). 0.34 adds the request-level
+#   report (:func:`reports_failed_requests`), which survive mode uses for several groups;
 # * a load is one job: ``OffloadingConnectorScheduler._req_status[req_id].transfer_jobs`` holds its id
 #   right after ``update_state_after_alloc``, ``_current_batch_load_jobs[id].dst_spec`` its GPU blocks
 #   (a ``GPULoadStoreSpec``: ``block_ids``, ``block_indices``), ``config.blocks_per_chunk`` the GPU
@@ -436,6 +483,31 @@ def load_failure_policy(vllm_config: Any) -> str | None:
     """vLLM's ``kv_load_failure_policy`` ("fail" or "recompute"), None without a transfer config."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     return None if transfer is None else getattr(transfer, "kv_load_failure_policy", None)
+
+
+def reports_failed_requests() -> bool:
+    """0.34: a connector worker reports whole requests whose load failed
+    (``KVConnectorTransferResults.failed_recving``, from ``get_transfer_results``), and vLLM's scheduler,
+    with "recompute", restarts such a request from token 0 (``Scheduler._handle_failed_recving``), for
+    any number of KV cache groups. It does so only for a request still waiting for its asynchronous
+    load (``WAITING_FOR_REMOTE_KVS``); a synchronous load (``sync_load_budget_bytes``) cannot be failed so."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    except ImportError:
+        return False
+    import dataclasses
+
+    # 0.30-0.33's scheduler honours failed_recving too, but their offloading connector never reports it
+    # (it inherits the base class's get_transfer_results): kvobs uses the path where vLLM's own offloading
+    # connector does, 0.34, the release whose hybrid recompute it has tested (README, "Survive").
+    return "get_transfer_results" in vars(OffloadingConnector) and any(
+        f.name == "failed_recving" for f in dataclasses.fields(KVConnectorTransferResults))
+
+
+def sync_load_budget(connector_scheduler: Any) -> int:
+    """The connector's ``sync_load_budget_bytes`` (0.34; 0 before, where every load is asynchronous)."""
+    return int(getattr(connector_scheduler.config, "sync_load_budget_bytes", 0) or 0)
 
 
 def kv_cache_groups(kv_cache_config: Any) -> int:

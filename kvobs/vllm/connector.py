@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvobs.options import OptionError
 from kvobs.vllm import compat
-from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, Survival, failed_blocks
+from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, SURVIVED_REQUESTS_ATTRIBUTE, Survival, failed_blocks
 from kvobs.vllm.trace_context import TraceHeaders
 
 logger = logging.getLogger("kvobs")
@@ -32,10 +32,13 @@ class ObservedOffloadingConnector(OffloadingConnector):
             compat.SERVED_MODEL_NAME.reset(served)
         self._kvobs_survival: Survival | None = None
         self._kvobs_failed_blocks: set[int] = set()  # scheduler: for the next metadata; worker: to report
+        self._kvobs_failed_requests: set[str] = set()  # the same, for the request-level path (several groups)
+        self._kvobs_request_level = False
         self._kvobs_block_size = int(vllm_config.cache_config.block_size)
         if self.connector_scheduler is not None:
             try:
-                self._kvobs_survival = _arm_survival(self.connector_scheduler, vllm_config, args, kwargs)
+                self._kvobs_survival, self._kvobs_request_level = _arm_survival(
+                    self.connector_scheduler, vllm_config, args, kwargs)
             except OptionError:
                 self.shutdown()  # start-up stops here: the manager built above is released first
                 raise
@@ -62,7 +65,11 @@ class ObservedOffloadingConnector(OffloadingConnector):
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
         survival = self._kvobs_survival
         first_unreadable = None if survival is None else survival.take_first_unreadable(request.request_id)
-        if first_unreadable is not None:
+        if first_unreadable is not None and self._kvobs_request_level:
+            assert survival is not None  # the whole request restarts: every token of the load recomputed
+            self._kvobs_failed_requests.add(request.request_id)
+            survival.recomputed(num_external_tokens)
+        elif first_unreadable is not None:
             assert self.connector_scheduler is not None and survival is not None
             try:
                 dst, first_index, per_chunk = compat.load_destination(self.connector_scheduler, request.request_id)
@@ -80,6 +87,9 @@ class ObservedOffloadingConnector(OffloadingConnector):
         if self._kvobs_failed_blocks:
             setattr(meta, SURVIVED_ATTRIBUTE, frozenset(self._kvobs_failed_blocks))
             self._kvobs_failed_blocks = set()
+        if self._kvobs_failed_requests:
+            setattr(meta, SURVIVED_REQUESTS_ATTRIBUTE, frozenset(self._kvobs_failed_requests))
+            self._kvobs_failed_requests = set()
         return meta
 
     def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,21 +109,34 @@ class ObservedOffloadingConnector(OffloadingConnector):
         failed = getattr(connector_metadata, SURVIVED_ATTRIBUTE, None)
         if failed:
             self._kvobs_failed_blocks.update(failed)
+        failed_requests = getattr(connector_metadata, SURVIVED_REQUESTS_ATTRIBUTE, None)
+        if failed_requests:
+            self._kvobs_failed_requests.update(failed_requests)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._kvobs_failed_blocks = self._kvobs_failed_blocks, set()
         return failed | super().get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's results (0.34), plus the requests survive mode failed: reported in the step their
+        load was submitted, while vLLM still holds them waiting for it (``WAITING_FOR_REMOTE_KVS``)."""
+        results = super().get_transfer_results(*args, **kwargs)
+        if self._kvobs_failed_requests:
+            results.failed_recving = set(results.failed_recving or ()) | self._kvobs_failed_requests
+            self._kvobs_failed_requests = set()
+        return results
+
 
 def _arm_survival(connector_scheduler: Any, vllm_config: Any, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Survival | None:
+                  kwargs: dict[str, Any]) -> tuple[Survival | None, bool]:
     """Survive mode's state when the ``survive`` option is on and this engine can recompute a failed
-    load; an OptionError naming the setting when it cannot (refused at start-up, never at a load)."""
+    load, and whether it reports whole requests (several KV cache groups, vLLM 0.34) rather than
+    blocks; an OptionError naming the setting when it cannot (refused at start-up, never at a load)."""
     manager = getattr(connector_scheduler, "manager", None)
     survival = getattr(manager, "survival", None)
     options = getattr(getattr(manager, "observer", None), "options", None)
     if options is None or not options.survive:
-        return None  # off, or kvobs stepped aside (it said so)
+        return None, False  # off, or kvobs stepped aside (it said so)
     if survival is None:
         raise OptionError("kvobs option 'survive' needs a manager whose CPU tier kvobs knows (vLLM's "
                           "CPUOffloadingSpec or TieringOffloadingSpec as the inner spec)")
@@ -125,14 +148,22 @@ def _arm_survival(connector_scheduler: Any, vllm_config: Any, args: tuple[Any, .
         )
     kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
     groups = None if kv_cache_config is None else compat.kv_cache_groups(kv_cache_config)
-    if groups != 1:
+    request_level = groups is not None and groups > 1 and compat.reports_failed_requests()
+    if groups != 1 and not request_level:
         raise OptionError(
-            f"kvobs option 'survive' needs a model with one KV cache group (this one has {groups}): vLLM maps "
-            "failed-load blocks back to requests only then (Scheduler._handle_invalid_blocks)"
+            f"kvobs option 'survive' needs a model with one KV cache group (this one has {groups}) on vLLM "
+            f"{compat.VLLM_VERSION}: this release maps failed-load blocks back to requests only then "
+            "(Scheduler._handle_invalid_blocks); vLLM 0.34 and later recompute the whole request for any number"
+        )
+    if request_level and compat.sync_load_budget(connector_scheduler):
+        raise OptionError(
+            "kvobs option 'survive' with several KV cache groups recomputes whole requests, which vLLM does "
+            "only for asynchronous loads: leave the connector's sync_load_budget_bytes at 0"
         )
     missing = compat.survive_mismatch(connector_scheduler)
     if missing is not None:
         raise OptionError(f"kvobs option 'survive' does not know this vLLM's connector (no {missing})")
     survival.armed = True
-    logger.info("kvobs survive armed: a load that finds chunks missing is recomputed, the engine goes on")
-    return survival
+    logger.info("kvobs survive armed: a load that finds chunks missing is recomputed (%s), the engine goes on",
+                "the whole request" if request_level else "from the first missing block")
+    return survival, request_level

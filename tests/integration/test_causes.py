@@ -11,7 +11,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext,
 from vllm_env import cpu_extra, create_manager, end_token, key, set_position, tiering_extra, token_range
 
 import kvobs
-from kvobs.vllm import ObservedOffloadingManager
+from kvobs.vllm import ObservedOffloadingManager, compat
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 MESSAGE = re.compile(
@@ -160,6 +160,36 @@ def test_store_failed_after_lookup_a_failed_promotion(managers: list) -> None:
     assert match["cause"] == "store_failed_after_lookup"
     assert "store_failed removal" in match["evidence"] and "HIT_PENDING" in match["evidence"]
     assert m.observer.evicted["store_failed"] == 1
+
+
+def test_store_failed_after_lookup_a_promotion_released_later(managers: list) -> None:
+    """vLLM 0.34: a tier fails a promotion with its I/O still in flight (``JobResult.deferred_release``);
+    tiering drops the keys and holds their slots (``defer_write_release``). The removal has a reason of
+    its own, ``deferred_release``; the load's cause is a failed write. Before 0.34 a tier cannot say so."""
+    from vllm.v1.kv_offload.tiering.base import JobResult
+
+    if "deferred_release" not in JobResult.__dataclass_fields__:  # 0.30-0.33: no such path to hook
+        tier = compat.cpu_tier_of(observed(managers, tiering_extra(1)).inner)
+        assert not hasattr(tier, compat.DEFERRED_RELEASE_METHOD)
+        return
+    m = observed(managers, {**tiering_extra(1), "secondary_tiers": [{"type": "DeferringTier",
+                                                                     "module_path": "flaky_tier"}]})
+    s1, s2 = ctx(m, "store-1"), ctx(m, "store-2")
+    store(m, [key(1)], s1)
+    m.on_schedule_end(END)
+    store(m, [key(2)], s2)  # key(1) now only in the secondary tier
+    m.on_schedule_end(END)
+    a = ctx(m, "req-a", {key(1): 16})
+    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING  # promotion allocated, write pending
+    m.on_schedule_end(END)  # flush submits the promotion; the tier fails it, release deferred
+    m.on_schedule_end(END)  # the failure is processed: defer_write_release
+    match = failed_load(m, [key(1)], a)
+    assert match["cause"] == "store_failed_after_lookup"
+    assert "deferred_release removal" in match["evidence"] and "HIT_PENDING" in match["evidence"]
+    # key(2)'s store evicted key(1), the promotion's allocation key(2); the failed promotion is no eviction
+    assert +m.observer.evicted == {"capacity": 2, "deferred_release": 1}
+    for event in m.inner.secondary_tiers[0].released:
+        event.set()
 
 
 def test_unknown_when_the_history_is_too_small(managers: list) -> None:

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scheduler_harness import DOCUMENT, FILLER
 from test_causes import END, ctx, observed, store
 from vllm.v1.kv_offload.base import LookupResult
 from vllm_env import cpu_extra, key, tiering_extra
 
 from kvobs.demo import driver
+from kvobs.demo.incidents import promotion_evicts_hit
 from kvobs.options import OptionError
 from kvobs.vllm import ObservedOffloadingManager, compat
 
@@ -51,9 +53,10 @@ def test_a_missing_chunk_loads_the_present_prefix_and_pins_balance(
 ) -> None:
     m = armed(managers, extra, dir=str(tmp_path))
     a, b = ctx(m, "req-a"), ctx(m, "req-b")
-    store(m, [key(1), key(2), key(3)], a)
+    store(m, [key(2), key(3)], a)
     m.on_schedule_end(END)
-    m.touch([key(1)], a)  # LRU order now 2, 3, 1: the next store's eviction takes key(2)
+    store(m, [key(1)], a)  # LRU order 2, 3, 1: the next store's eviction takes key(2)
+    m.on_schedule_end(END)
     assert [m.lookup(key(i), b) for i in (1, 2, 3)] == [LookupResult.HIT] * 3
     present = slot_of(m, key(1))
     store(m, [key(4), key(5)], a)  # a store between lookup and load evicts key(2)
@@ -124,7 +127,7 @@ def test_survive_off_changes_nothing(managers: list) -> None:
 
 
 def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str = "recompute", hybrid: bool = False,
-               **options: Any) -> tuple[Any, Any, Path]:
+               tiering: bool = False, **options: Any) -> tuple[Any, Any, Path]:
     """kvobs's connector, scheduler and worker sides, as ``vllm serve`` builds them, over vLLM's CPU
     manager with the injected defect (kvobs/demo/defects.py: the lookup after a HIT evicts it)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -135,13 +138,16 @@ def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str =
     trigger = tmp_path / "trigger"
     monkeypatch.setenv(DEFECT_TRIGGER_ENV, str(trigger))
     kv_cache_config = driver.make_kv_cache_config(hybrid=hybrid)
+    inner = ({"inner_spec": "TieringOffloadingSpec"} if tiering
+             else {"inner_spec": "LookupEvictsSpec", "inner_spec_module_path": "kvobs.demo.defects"})
     extra: dict[str, Any] = {
         "spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": "LookupEvictsSpec", "inner_spec_module_path": "kvobs.demo.defects",
-                  "survive": True, **options},
+        "kvobs": {**inner, "survive": True, **options},
     }
+    if tiering:  # vLLM #50014's configuration (kvobs.demo.incidents.promotion_evicts_hit): nothing injected
+        extra.update({"secondary_tiers": [{"type": "example"}], "tier_poll_interval_s": 0})
     probe = driver.make_offloading_config(driver.make_vllm_config(extra), kv_cache_config)
-    extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 16)
+    extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 12 if tiering else 16)
     vllm_config = driver.make_vllm_config(extra)
     vllm_config.kv_transfer_config.kv_load_failure_policy = policy
     facts = driver._ModelFacts()
@@ -160,6 +166,7 @@ class ConnectorAsScheduler:
 
     def __init__(self, connector: Any) -> None:
         self.connector = connector
+        self.metas: list[Any] = []  # what build_connector_meta returned, step by step
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -168,7 +175,9 @@ class ConnectorAsScheduler:
         return self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, output: Any) -> Any:
-        return self.connector.build_connector_meta(output)
+        meta = self.connector.build_connector_meta(output)
+        self.metas.append(meta)
+        return meta
 
     def request_finished(self, request: Any) -> Any:
         return self.connector.request_finished(request, [])
@@ -234,6 +243,36 @@ def test_start_up_refuses_vllms_fail_policy(monkeypatch: pytest.MonkeyPatch, tmp
     assert "'fail'" in str(info.value)
 
 
-def test_start_up_refuses_a_model_with_several_kv_cache_groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    with pytest.raises(OptionError, match="one KV cache group"):
-        connectors(monkeypatch, tmp_path, hybrid=True)
+def test_several_kv_cache_groups_recompute_the_whole_request_where_vllm_can(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM #50014 on a hybrid model (a full-attention and a sliding-window group), nothing injected:
+    vLLM 0.34 restarts a request its workers report in ``failed_recving`` (any number of groups), so
+    survive mode reports the request; before, vLLM maps failed blocks to requests for one group only,
+    and start-up refuses saying so."""
+    if not compat.reports_failed_requests():
+        with pytest.raises(OptionError, match=r"one KV cache group .* 0\.34 and later recompute the whole request"):
+            connectors(monkeypatch, tmp_path, hybrid=True, tiering=True)
+        return
+    scheduler, worker, _trigger = connectors(monkeypatch, tmp_path, hybrid=True, tiering=True)
+    manager = scheduler.connector_scheduler.manager
+    try:
+        assert manager.survival is not None and manager.survival.armed
+        as_scheduler = ConnectorAsScheduler(scheduler)
+        steps = driver.EngineStepDriver(as_scheduler, driver.make_kv_cache_config(hybrid=True))
+        run = promotion_evicts_hit(steps, DOCUMENT, FILLER)  # vLLM's engine would die in its last step
+        victim = run.victim.request_id
+        assert steps.num_external_tokens[victim], "the victim loads from the CPU tier"
+        assert +manager.observer.failures == {"evicted_after_lookup": 1}
+        assert manager.observer.recomputes.counts == {"loads": 1, "tokens": steps.num_external_tokens[victim],
+                                                      "alarms": 0}
+        meta = as_scheduler.metas[-1]  # the step of the failed load
+        assert meta.kvobs_failed_req_ids == frozenset({victim})
+        assert not getattr(meta, "kvobs_failed_block_ids", None), "no block ids: vLLM cannot map them here"
+        worker.bind_connector_metadata(meta)
+        assert worker._kvobs_failed_requests == {victim}, "reported in get_transfer_results, this step"
+        steps.report_all_worker_jobs()  # complete_load of every key: no assertion
+        assert scheduler.get_num_new_matched_tokens(run.victim, 0) == (0, False)  # never loads again
+        compat.release_step(scheduler.connector_scheduler)
+    finally:
+        scheduler.shutdown()

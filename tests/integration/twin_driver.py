@@ -8,6 +8,7 @@ with* vLLM's (kvobs appends its explanation to prepare_load assertions only).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,8 +101,14 @@ def step_lock(manager: Any) -> Any:
 
 
 def event_fields(event: Any) -> tuple[Any, ...]:
-    """What an OffloadingEvent says (``metadata_only`` is 0.33's)."""
-    return event.keys, event.medium, event.removed, getattr(event, "metadata_only", None)
+    """Everything an OffloadingEvent says, each field of whatever release runs (``metadata_only`` is
+    0.33's; ``removal_expected`` and the request's ``req_context`` 0.34's): the request context as its
+    ``req_id``, since the twins hold contexts of their own."""
+    return tuple(
+        getattr(value, "req_id", value) if field.name == "req_context" else value
+        for field in dataclasses.fields(event)
+        for value in (getattr(event, field.name),)
+    )
 
 
 def apply(twin: Twin, op: str, req: str, keys: list[bytes], flag: bool) -> Outcome:

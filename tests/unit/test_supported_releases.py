@@ -19,10 +19,12 @@ def test_the_releases_are_distinct_and_oldest_first() -> None:
     assert list(map(minor, SUPPORTED_VLLM)) == sorted(set(map(minor, SUPPORTED_VLLM)))
 
 
-def test_pyprojects_vllm_extra_admits_exactly_the_supported_minor_releases() -> None:
+def test_pyprojects_vllm_extra_has_the_oldest_release_as_its_floor_and_no_upper_bound() -> None:
+    """A newer vLLM installs; kvobs observes it when its protocol check passes (kvobs.vllm.compat) and
+    steps aside saying why when it does not: no hand-kept bound makes pip downgrade or refuse vLLM."""
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
-    (first_major, first_minor), (last_major, last_minor) = minor(FIRST), minor(LAST)
-    assert extra == [f"vllm>={first_major}.{first_minor},<{last_major}.{last_minor + 1}"]
+    first_major, first_minor = minor(FIRST)
+    assert extra == [f"vllm>={first_major}.{first_minor}"]
 
 
 def test_the_readme_states_the_supported_releases() -> None:
