@@ -2,7 +2,7 @@
 
 The only module that reads a private vLLM attribute or knows a release difference; everything
 else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: ``kvobs.versions.SUPPORTED_VLLM``
-(0.30.0 to 0.33.0), detected by feature, never by version number. The protocol relied on, in all four:
+(0.30.0 to 0.34.0), detected by feature, never by version number. The protocol relied on, in all five:
 
 * every chunk that leaves the CPU tier leaves through the cache policy of the CPU-resident
   manager (``CPUOffloadingManager._policy``): ``evict(n, protected) -> [(key, chunk)] | None``
@@ -29,6 +29,12 @@ Release differences kvobs meets (each checked by feature, below):
   later. 0.30 keeps positions only inside the connector scheduler's request state, which an
   offloading spec never sees, so the message has no end tokens there (README, "Supported vLLM");
 * ``policy.insert`` takes ``req_context`` from 0.33 (kvobs reads only its ``chunk``).
+* ``touch()``: gone from managers and policies in 0.34 (a ``PROTOCOL`` row only some releases have);
+* ``CPUPrimaryTierOffloadingManager.defer_write_release``: 0.34 only (:data:`DEFERRED_RELEASE_METHOD`);
+* a harness's ``NewRequestData``, ``SchedulerOutput`` and failed worker jobs (:func:`new_request_data`,
+  :func:`scheduler_output`, :func:`worker_metadata`): 0.34 changed all three;
+* the request-level load-failure report survive mode uses for several KV cache groups
+  (:func:`reports_failed_requests`): 0.34 only.
 * the spec-declared metrics on vLLM's own ``/metrics`` (the ``vllm_metrics`` option,
   kvobs/vllm/vllm_metrics.py; :func:`offload_stats_api`): ``OffloadingSpec.build_metric_definitions``
   (a classmethod, called with ``kv_connector_extra_config`` by the API server's
@@ -127,8 +133,9 @@ class Method(NamedTuple):
     everywhere: bool = True
     """In every supported release: the wrapper's class has it (a method kvobs's taps answer through
     the class too). False: only some releases have it (``get_load_source``: 0.32 and later;
-    ``on_reset_flushed``, ``config_info``: 0.33), an instance attribute only, set when the inner
-    manager has it, so the wrapper has exactly the inner manager's methods."""
+    ``on_reset_flushed``, ``config_info``: 0.33 and later; ``touch``: up to 0.33), an instance
+    attribute only, set when the inner manager has it, so the wrapper has exactly the inner
+    manager's methods."""
 
 
 TAP_KINDS = ("pass", "lookup", "load", "keys", "request", "call", "shutdown")
@@ -152,7 +159,7 @@ PROTOCOL: tuple[Method, ...] = (
     Method("config_info", "pass", None, None, everywhere=False),
     Method("shutdown", "shutdown", None, None),
 )
-"""Every ``OffloadingManager`` method of 0.30-0.33 (``lock``, a property of 0.33, aside), in vLLM's
+"""Every ``OffloadingManager`` method of 0.30-0.34 (``lock``, a property of 0.33 and 0.34, aside), in vLLM's
 order: the one place kvobs writes the manager protocol down. ``kvobs.vllm.manager`` builds the
 wrapper's taps and class methods from it; :func:`check` checks it against vLLM's abstract methods and
 binds the tapped call shapes. A method vLLM adds is one row here."""

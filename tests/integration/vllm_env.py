@@ -1,4 +1,4 @@
-"""Real vLLM offloading objects (0.30.0 to 0.33.0, whichever is installed) built on CPU, for the tests.
+"""Real vLLM offloading objects (0.30.0 to 0.34.0, whichever is installed) built on CPU, for the tests.
 
 Specs are created through vLLM's own ``OffloadingSpecFactory.create_spec`` from an
 ``OffloadingConfig`` whose ``extra_config`` is what a user writes in
