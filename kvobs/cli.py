@@ -1,4 +1,4 @@
-"""``kvobs serve | demo | explain``: the command line."""
+"""``kvobs serve | demo | explain | doctor``: the command line."""
 
 from __future__ import annotations
 
@@ -202,6 +202,40 @@ def _explain(args: argparse.Namespace) -> int:
     return 0 if found_any else 1
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """``kvobs doctor``: its logic is kvobs.vllm.doctor, imported here, so that this module needs no vLLM."""
+    import contextlib
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM's import-time chatter: standard output is the report's
+            from kvobs.vllm.doctor import run
+    except (ImportError, OSError) as exc:  # no vLLM here, or one kvobs's plugin cannot even import
+        return _doctor_without_vllm(args, exc)
+    return run(args.kv_transfer_config, as_json=args.json)
+
+
+def _doctor_without_vllm(args: argparse.Namespace, exc: BaseException) -> int:
+    import json
+    from importlib import metadata
+
+    from kvobs import __version__
+
+    try:
+        installed = f"vllm {metadata.version('vllm')} is installed, but "
+    except metadata.PackageNotFoundError:
+        installed = ""
+    problem = (f"{installed}kvobs's vLLM plugin does not import with {sys.executable}: {type(exc).__name__}: {exc}; "
+               "run kvobs doctor with the Python that runs vllm serve")
+    result = "kvobs cannot plug into an engine from this Python (exit 1)"
+    if args.json:
+        print(json.dumps({"exit": 1, "kvobs": {"version": __version__, "python": sys.executable},
+                          "vllm": {"importable": False, "error": f"{type(exc).__name__}: {exc}"},
+                          "problems": [f"vLLM: {problem}"], "result": result}, indent=2))
+    else:
+        print(f"kvobs: {__version__}, run by {sys.executable}\nvLLM: {problem}\nresult: {result}")
+    return 1
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -273,6 +307,19 @@ def parser() -> argparse.ArgumentParser:
                               "--token-file's; a trailing newline ignored; default: $KVOBS_TOKEN_FILE, else none)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=_explain)
+    doctor = sub.add_parser(
+        "doctor", help="before rolling kvobs out: will it observe this vLLM, and is its configuration right?",
+        description="Run with vLLM's Python. Says which vLLM runs and whether kvobs is tested on it, whether kvobs "
+                    "will observe it (it builds a small manager of the configured inner spec and checks it as the "
+                    "plugin does) or why it would step aside, the kvobs options of --kv-transfer-config, the hot "
+                    "path's form and whether the journal directory is writable. Exit status: 0 kvobs will observe, "
+                    "1 it would step aside (or vLLM does not import), 2 a configuration error.",
+    )
+    doctor.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help="the JSON given to vllm serve --kv-transfer-config (default: the README's, with every "
+                             "kvobs option its default)")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_doctor)
     return root
 
 
