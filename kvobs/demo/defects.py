@@ -59,6 +59,45 @@ def _arm_eviction_inside_lookup(manager: OffloadingManager, trigger: Path) -> No
     manager.lookup = lookup_that_evicts  # type: ignore[method-assign]
 
 
+def _arm_eviction_before_load(manager: OffloadingManager, trigger: Path) -> None:
+    """Once armed, the next load first evicts its first chunk (stores of new chunks until it is gone):
+    an eviction between a request's lookup and its load, as #50014's promotions do, but after the
+    whole lookup pass, so that it also reaches hybrid models (the connector looks their groups up
+    again until the hit converges, which would see an eviction made inside lookup)."""
+    prepare_load = manager.prepare_load
+    serial = [1 << 40]
+
+    def load_after_an_eviction(keys: Any, req_context: Any) -> Any:
+        keys = list(keys)
+        if keys and trigger.exists():
+            trigger.rename(trigger.with_name(trigger.name + FIRED_SUFFIX))  # once
+            victim = keys[0]
+            group = get_offload_group_idx(victim)
+            for _ in range(4096):  # bounded: stores of new chunks until the first chunk is evicted
+                if manager.lookup(victim, req_context) is not LookupResult.HIT:
+                    break
+                serial[0] += 1
+                batch = [make_offload_key(serial[0].to_bytes(len(victim) - 4, "big"), group)]
+                if manager.prepare_store(batch, req_context) is not None:
+                    manager.complete_store(batch, req_context)
+        return prepare_load(keys, req_context)
+
+    manager.prepare_load = load_after_an_eviction  # type: ignore[method-assign]
+
+
+class LoadEvictsSpec(CPUCopyOffloadingSpec):
+    """kvobs's CPU copy spec whose manager, once armed (``KVOBS_DEFECT_TRIGGER``), evicts the first chunk
+    of the next load just before it (:func:`_arm_eviction_before_load`); fires once."""
+
+    def get_manager(self) -> OffloadingManager:
+        manager = super().get_manager()
+        trigger = os.environ.get(TRIGGER_ENV)
+        if trigger and not getattr(manager, "_kvobs_demo_defect", False):
+            _arm_eviction_before_load(manager, Path(trigger))
+            manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
+        return manager
+
+
 class LookupEvictsSpec(CPUCopyOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         manager = super().get_manager()

@@ -34,7 +34,8 @@ Release differences kvobs meets (each checked by feature, below):
 * a harness's ``NewRequestData``, ``SchedulerOutput`` and failed worker jobs (:func:`new_request_data`,
   :func:`scheduler_output`, :func:`worker_metadata`): 0.34 changed all three;
 * the request-level load-failure report survive mode uses for several KV cache groups
-  (:func:`reports_failed_requests`): 0.34 only.
+  (:func:`reports_failed_requests`): every scheduler of 0.30-0.34 honours it; 0.34's own offloading
+  connector is the first to send it.
 * the spec-declared metrics on vLLM's own ``/metrics`` (the ``vllm_metrics`` option,
   kvobs/vllm/vllm_metrics.py; :func:`offload_stats_api`): ``OffloadingSpec.build_metric_definitions``
   (a classmethod, called with ``kv_connector_extra_config`` by the API server's
@@ -473,8 +474,8 @@ def worker_offload_region(spec: Any) -> Any:
 #   ``Scheduler.__init__``; with "recompute", ``Scheduler._handle_invalid_blocks`` truncates a request at
 #   the first GPU block a worker reported through ``get_block_ids_with_load_errors()`` and recomputes
 #   from there. The block ids are a flat set: vLLM maps them back to requests only with one KV cache
-#   group (0.33 and 0.34 raise for more; 0.30-0.32 read group 0 alone). 0.34 adds the request-level
-#   report (:func:`reports_failed_requests`), which survive mode uses for several groups;
+#   group (0.33 and 0.34 raise for more; 0.30-0.32 read group 0 alone). For several groups survive mode
+#   reports the request itself (:func:`reports_failed_requests`), restarted from token 0;
 # * a load is one job: ``OffloadingConnectorScheduler._req_status[req_id].transfer_jobs`` holds its id
 #   right after ``update_state_after_alloc``, ``_current_batch_load_jobs[id].dst_spec`` its GPU blocks
 #   (a ``GPULoadStoreSpec``: ``block_ids``, ``block_indices``), ``config.blocks_per_chunk`` the GPU
@@ -493,23 +494,26 @@ def load_failure_policy(vllm_config: Any) -> str | None:
 
 
 def reports_failed_requests() -> bool:
-    """0.34: a connector worker reports whole requests whose load failed
-    (``KVConnectorTransferResults.failed_recving``, from ``get_transfer_results``), and vLLM's scheduler,
+    """Whether a connector can report whole requests whose load failed: a worker's
+    ``get_transfer_results`` returns ``KVConnectorTransferResults.failed_recving``, and vLLM's scheduler,
     with "recompute", restarts such a request from token 0 (``Scheduler._handle_failed_recving``), for
-    any number of KV cache groups. It does so only for a request still waiting for its asynchronous
-    load (``WAITING_FOR_REMOTE_KVS``); a synchronous load (``sync_load_budget_bytes``) cannot be failed so."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-    except ImportError:
-        return False
+    any number of KV cache groups. All of 0.30-0.34 have it (0.34's own offloading connector is the
+    first to use it). It acts only on a request still waiting for its asynchronous load
+    (``WAITING_FOR_REMOTE_KVS``): a synchronous load (0.34's ``sync_load_budget_bytes``) cannot be
+    failed so."""
     import dataclasses
 
-    # 0.30-0.33's scheduler honours failed_recving too, but their offloading connector never reports it
-    # (it inherits the base class's get_transfer_results): kvobs uses the path where vLLM's own offloading
-    # connector does, 0.34, the release whose hybrid recompute it has tested (README, "Survive").
-    return "get_transfer_results" in vars(OffloadingConnector) and any(
-        f.name == "failed_recving" for f in dataclasses.fields(KVConnectorTransferResults))
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+            KVConnectorTransferResults,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return False
+    return (callable(getattr(KVConnectorBase_V1, "get_transfer_results", None))
+            and callable(getattr(Scheduler, "_handle_failed_recving", None))
+            and any(f.name == "failed_recving" for f in dataclasses.fields(KVConnectorTransferResults)))
 
 
 def sync_load_budget(connector_scheduler: Any) -> int:

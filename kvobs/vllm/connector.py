@@ -4,8 +4,9 @@ Use it instead of ``OffloadingConnector`` (``"kv_connector": "ObservedOffloading
 "kv_connector_module_path": "kvobs.vllm.connector"``) to make kvobs's failure span join the
 request's trace, and to label kvobs's series with the served model name
 (``--served-model-name``; the spec alone sees only the model path). With the ``survive`` option it
-also arms survive mode (kvobs/vllm/survive.py): it reports the blocks of a recomputed load to vLLM
-as failed loads, the one way a connector tells vLLM's scheduler to recompute. Everything else is vLLM's.
+also arms survive mode (kvobs/vllm/survive.py): it reports the blocks of a recomputed load to vLLM as
+failed loads (one KV cache group), or the request itself (several), the ways a connector tells vLLM's
+scheduler to recompute. Everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def _arm_survival(connector_scheduler: Any, vllm_config: Any, args: tuple[Any, .
     if groups != 1 and not request_level:
         raise OptionError(
             f"kvobs option 'survive' needs a model with one KV cache group (this one has {groups}) on vLLM "
-            f"{compat.VLLM_VERSION}: this release maps failed-load blocks back to requests only then "
-            "(Scheduler._handle_invalid_blocks); vLLM 0.34 and later recompute the whole request for any number"
+            f"{compat.VLLM_VERSION}: its scheduler maps failed-load blocks back to requests only then "
+            "(Scheduler._handle_invalid_blocks) and cannot restart a whole request (Scheduler._handle_failed_recving)"
         )
     if request_level and compat.sync_load_budget(connector_scheduler):
         raise OptionError(

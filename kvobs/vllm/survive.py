@@ -11,8 +11,8 @@ The connector's part (``kvobs/vllm/connector.py``, which arms it): with one KV c
 blocks from the first unreadable chunk on (what the filler wrote, and everything after it that
 depends on it) go to the workers in the connector metadata, and each worker's
 ``get_block_ids_with_load_errors()`` reports them; vLLM's scheduler, with ``kv_load_failure_policy:
-"recompute"``, truncates the request there and recomputes. With several groups (vLLM 0.34 and later)
-the request itself goes to the workers, which report it in ``failed_recving``: vLLM restarts it from
+"recompute"``, truncates the request there and recomputes. With several groups (a hybrid model) the
+request itself goes to the workers, which report it in ``failed_recving``: vLLM restarts it from
 token 0, every group recomputed, and frees what the load wrote. A request recomputes at most once:
 its later lookups load nothing, so nothing in this path can loop. What vLLM reads for all of it is
 listed in ``kvobs/vllm/compat.py``.
@@ -35,7 +35,7 @@ logger = logging.getLogger("kvobs")
 SURVIVED_ATTRIBUTE = "kvobs_failed_block_ids"
 """The connector metadata's attribute carrying the GPU blocks to report as failed loads."""
 SURVIVED_REQUESTS_ATTRIBUTE = "kvobs_failed_req_ids"
-"""The connector metadata's attribute carrying the requests to report as failed loads (0.34's
+"""The connector metadata's attribute carrying the requests to report as failed loads (the
 request-level path: a model with several KV cache groups)."""
 
 

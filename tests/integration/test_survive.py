@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_harness import DOCUMENT, FILLER
 from test_causes import END, ctx, observed, store
 from vllm.v1.kv_offload.base import LookupResult
 from vllm_env import cpu_extra, key, tiering_extra
 
 from kvobs.demo import driver
-from kvobs.demo.incidents import promotion_evicts_hit
 from kvobs.options import OptionError
 from kvobs.vllm import ObservedOffloadingManager, compat
 
@@ -127,7 +125,7 @@ def test_survive_off_changes_nothing(managers: list) -> None:
 
 
 def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str = "recompute", hybrid: bool = False,
-               tiering: bool = False, **options: Any) -> tuple[Any, Any, Path]:
+               defect: str = "LookupEvictsSpec", **options: Any) -> tuple[Any, Any, Path]:
     """kvobs's connector, scheduler and worker sides, as ``vllm serve`` builds them, over vLLM's CPU
     manager with the injected defect (kvobs/demo/defects.py: the lookup after a HIT evicts it)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -138,16 +136,12 @@ def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str =
     trigger = tmp_path / "trigger"
     monkeypatch.setenv(DEFECT_TRIGGER_ENV, str(trigger))
     kv_cache_config = driver.make_kv_cache_config(hybrid=hybrid)
-    inner = ({"inner_spec": "TieringOffloadingSpec"} if tiering
-             else {"inner_spec": "LookupEvictsSpec", "inner_spec_module_path": "kvobs.demo.defects"})
     extra: dict[str, Any] = {
         "spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
-        "kvobs": {**inner, "survive": True, **options},
+        "kvobs": {"inner_spec": defect, "inner_spec_module_path": "kvobs.demo.defects", "survive": True, **options},
     }
-    if tiering:  # vLLM #50014's configuration (kvobs.demo.incidents.promotion_evicts_hit): nothing injected
-        extra.update({"secondary_tiers": [{"type": "example"}], "tier_poll_interval_s": 0})
     probe = driver.make_offloading_config(driver.make_vllm_config(extra), kv_cache_config)
-    extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 12 if tiering else 16)
+    extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 16)
     vllm_config = driver.make_vllm_config(extra)
     vllm_config.kv_transfer_config.kv_load_failure_policy = policy
     facts = driver._ModelFacts()
@@ -166,7 +160,6 @@ class ConnectorAsScheduler:
 
     def __init__(self, connector: Any) -> None:
         self.connector = connector
-        self.metas: list[Any] = []  # what build_connector_meta returned, step by step
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -175,9 +168,7 @@ class ConnectorAsScheduler:
         return self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, output: Any) -> Any:
-        meta = self.connector.build_connector_meta(output)
-        self.metas.append(meta)
-        return meta
+        return self.connector.build_connector_meta(output)
 
     def request_finished(self, request: Any) -> Any:
         return self.connector.request_finished(request, [])
@@ -243,36 +234,41 @@ def test_start_up_refuses_vllms_fail_policy(monkeypatch: pytest.MonkeyPatch, tmp
     assert "'fail'" in str(info.value)
 
 
-def test_several_kv_cache_groups_recompute_the_whole_request_where_vllm_can(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """vLLM #50014 on a hybrid model (a full-attention and a sliding-window group), nothing injected:
-    vLLM 0.34 restarts a request its workers report in ``failed_recving`` (any number of groups), so
-    survive mode reports the request; before, vLLM maps failed blocks to requests for one group only,
-    and start-up refuses saying so."""
-    if not compat.reports_failed_requests():
-        with pytest.raises(OptionError, match=r"one KV cache group .* 0\.34 and later recompute the whole request"):
-            connectors(monkeypatch, tmp_path, hybrid=True, tiering=True)
-        return
-    scheduler, worker, _trigger = connectors(monkeypatch, tmp_path, hybrid=True, tiering=True)
+def test_several_kv_cache_groups_recompute_the_whole_request(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A hybrid model (a full-attention and a sliding-window group): vLLM cannot map failed blocks back
+    to requests, so the connector reports the request itself (``failed_recving``, which vLLM's scheduler
+    restarts from token 0); its workers report it in the step its load goes out. The defect evicts the
+    load's first chunk just before the load (kvobs.demo.defects.LoadEvictsSpec); tests/engine/
+    test_survive.py shows the outputs of a real hybrid engine stay right."""
+    scheduler, worker, trigger = connectors(monkeypatch, tmp_path, hybrid=True, defect="LoadEvictsSpec")
     manager = scheduler.connector_scheduler.manager
     try:
         assert manager.survival is not None and manager.survival.armed
         as_scheduler = ConnectorAsScheduler(scheduler)
         steps = driver.EngineStepDriver(as_scheduler, driver.make_kv_cache_config(hybrid=True))
-        run = promotion_evicts_hit(steps, DOCUMENT, FILLER)  # vLLM's engine would die in its last step
-        victim = run.victim.request_id
-        assert steps.num_external_tokens[victim], "the victim loads from the CPU tier"
+        prompt = list(range(1, 8 * driver.BLOCK_SIZE + 2))
+        first = driver.make_request("first", prompt)
+        steps.step([first])
+        steps.step()
+        steps.report_all_worker_jobs()  # its chunks are stored
+        steps.finish(first)
+        steps.step()
+        steps.report_all_worker_jobs()
+
+        trigger.touch()
+        second = driver.make_request("second", prompt)
+        meta = steps.step([second])  # vLLM's engine would die in here
+        assert steps.num_external_tokens["second"], "the second request loads from the CPU tier"
         assert +manager.observer.failures == {"evicted_after_lookup": 1}
-        assert manager.observer.recomputes.counts == {"loads": 1, "tokens": steps.num_external_tokens[victim],
-                                                      "alarms": 0}
-        meta = as_scheduler.metas[-1]  # the step of the failed load
-        assert meta.kvobs_failed_req_ids == frozenset({victim})
+        assert manager.observer.recomputes.counts == {
+            "loads": 1, "tokens": steps.num_external_tokens["second"], "alarms": 0}
+        assert meta.kvobs_failed_req_ids == frozenset({"second"})
         assert not getattr(meta, "kvobs_failed_block_ids", None), "no block ids: vLLM cannot map them here"
         worker.bind_connector_metadata(meta)
-        assert worker._kvobs_failed_requests == {victim}, "reported in get_transfer_results, this step"
+        # get_transfer_results (the step's results; tests/engine/test_survive.py runs it for real) adds these
+        assert worker._kvobs_failed_requests == {"second"}
         steps.report_all_worker_jobs()  # complete_load of every key: no assertion
-        assert scheduler.get_num_new_matched_tokens(run.victim, 0) == (0, False)  # never loads again
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (0, False)  # never loads again
         compat.release_step(scheduler.connector_scheduler)
     finally:
         scheduler.shutdown()
