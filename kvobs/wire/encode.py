@@ -69,9 +69,12 @@ def encode_hello(writer: Writer, time: float, *, version: str, vllm_version: str
 
 def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[str, int]], *,
                   history_keys: int, history_window_s: float, seq: int) -> str:
-    """``seq``: this writer's count of totals lines so far (``Totals.seq``)."""
+    """``seq``: this writer's count of totals lines so far (``Totals.seq``). Zero counts are left out:
+    a reader takes a missing label as 0 (the sidecar pre-initialises every value), and a sidecar older
+    than the engine then reads every line until a label value it does not know counts something (a
+    reason such as ``deferred_release`` exists only on vLLM 0.34's tiering; docs/design.md)."""
     return _dumps({**_head("totals", writer), "t": time, "q": seq,
-                   **{k: dict(counters.get(k, {})) for k in TOTAL_KEYS},
+                   **{k: {label: n for label, n in counters.get(k, {}).items() if n} for k in TOTAL_KEYS},
                    "hist_keys": history_keys, "hist_window": history_window_s})
 
 

@@ -73,9 +73,9 @@ def test_failures_directory_turning_unwritable_mid_run(tmp_path: Path, caplog: p
         finally:
             manager.shutdown()
     assert kvobs_error_logs(caplog, "report") == 1
-    totals = engine_totals(directory, "e0")  # the journal still carried everything
-    assert totals["evicted"] == dict(obs.evicted) and totals["batches"] == dict(obs.batches)
-    assert totals["failures"] == dict(obs.failures) and totals["failures"]["evicted_after_lookup"] == 2
+    totals = engine_totals(directory, "e0")  # the journal still carried everything (zero counts are not written)
+    assert totals["evicted"] == dict(+obs.evicted) and totals["batches"] == dict(+obs.batches)
+    assert totals["failures"] == dict(+obs.failures) and totals["failures"]["evicted_after_lookup"] == 2
     assert totals["corrupt"]["lines"] == 0
     assert (directory / "failures").read_text() == "in the way"
     # What the sidecar exports: the failures counted, the report-stage errors KvobsFailureReportLost
@@ -128,7 +128,7 @@ def test_directory_full(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
         leftovers = [p.name for p in (directory / "failures").iterdir()]
         assert leftovers == [], leftovers  # no half-written report or temp file left behind
         totals = engine_totals(directory, "e0")
-        assert totals["evicted"] == dict(obs.evicted) and totals["failures"] == dict(obs.failures)
+        assert totals["evicted"] == dict(+obs.evicted) and totals["failures"] == dict(+obs.failures)
         assert totals["dropped"]["journal"] > 0
         assert totals["corrupt"]["lines"] == 0, sizes  # partial appends were cut off
         for path in (directory / "journal").iterdir():

@@ -257,3 +257,24 @@ def test_the_option_check_and_the_api_say_the_same_engine_rule() -> None:
     with pytest.raises(QueryError) as api:
         parse_params("engine=..%2Fdp0")
     assert ENGINE_LABEL_RULE in str(option.value) and ENGINE_LABEL_RULE in str(api.value)
+
+
+def test_a_sidecar_that_predates_a_reason_reads_the_totals_until_that_reason_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``deferred_release`` (vLLM 0.34) is newer than the sidecars already running: the engine leaves zero
+    counts out of its totals, so such a sidecar (its reader knows ``REASONS`` without it) keeps reading
+    an upgraded engine's totals until a deferred release actually happens."""
+    import kvobs.wire.decode as decode
+    import kvobs.wire.format as wire_format
+
+    counters = {"evicted": dict.fromkeys(REASONS, 0) | {"capacity": 7}, "near": dict.fromkeys(REASONS, 0)}
+    line = json.loads(encode_totals(W, 1.0, counters, history_keys=1, history_window_s=0.5, seq=1))
+    assert line["evicted"] == {"capacity": 7} and line["near"] == {}
+    older = {**wire_format.TOTAL_LABELS, "evicted": REASONS[:3], "batches": REASONS[:3], "near": REASONS[:3]}
+    monkeypatch.setattr(decode, "TOTAL_LABELS", older)
+    totals = decode_record(line)
+    assert totals is not None and totals.counters["evicted"] == {"capacity": 7.0}
+    counters["evicted"]["deferred_release"] = 1
+    assert decode_record(json.loads(encode_totals(W, 1.0, counters, history_keys=1, history_window_s=0.5,
+                                                  seq=2))) is None  # a value it does not know counts: dropped
