@@ -1,4 +1,4 @@
-"""Overhead: the same scheduler workload through the bare and the observed vLLM 0.33.0 manager.
+"""Overhead: the same scheduler workload through the bare and the observed vLLM manager (the installed release).
 
 A seeded scheduler model (shared prefixes, chunked prefill, decode chunks,
 completions a step later, 2% failed stores, request finish) drives a bare

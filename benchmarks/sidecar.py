@@ -38,6 +38,7 @@ from kvobs.journal import JournalSink
 from kvobs.observer import FailureEvent, Observer, Unloadable
 from kvobs.options import Options
 from kvobs.sidecar.ingest import CHECKPOINT, Ingest
+from kvobs.versions import SUPPORTED_VLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_KEYS_PER_S = 200_000
@@ -54,7 +55,7 @@ class Engine:
     def __init__(self, directory: Path, index: int, seed: int) -> None:
         self.rng = random.Random(seed)
         self.observer = Observer(Options(history_size=65_536, engine=f"dp{index}"))
-        self.sink = JournalSink(directory, self.observer, "0.33.0")
+        self.sink = JournalSink(directory, self.observer, SUPPORTED_VLLM[-1])  # a synthetic engine: the newest release
         self.observer.add_sink(self.sink)
         self.keys_written = 0
 
