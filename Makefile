@@ -105,11 +105,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The whole suite on vLLM $(VLLM_VERSION) and kvobs's compiled hot path; the tests that matter for the hot
+# The whole suite on vLLM $(VLLM_VERSION) and kvobs's compiled hot path (vLLM's own manager suites in
+# tests/upstream bare, then again with every manager observed); the tests that matter for the hot
 # path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/hot_path.py);
 # then the tests that touch vLLM on every older supported release.
 test: $(STAMP) tools lint typecheck
 	$(PY) -m pytest -q tests --ignore=tests/engine
+	@echo "== vLLM's own offload manager suites (tests/upstream), every manager observed by kvobs"
+	KVOBS_UPSTREAM_WRAP=1 $(PY) -m pytest -q -p no:cacheprovider tests/upstream
 	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
 	  tests/integration/test_transparency.py tests/integration/test_causes.py \
 	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
@@ -148,6 +151,19 @@ bench: $(STAMP)
 bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --json bench-results/engine.json
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --attribute --json bench-results/engine-attribution.json
+
+# The real-engine cases on a GPU, with vLLM's own CPUOffloadingSpec and CUDA transfer worker instead of the CPU
+# stand-in (tests/gpu: vLLM 0.34.0's GPU build, trimmed into .gpu-carry by tests/gpu/bundle.py; results in $OUT or
+# /tmp/kvobs-gpu-out). Runs where GPU_PYTHON has torch with CUDA; anywhere else one line says why nothing ran.
+GPU_PYTHON ?= python3
+.PHONY: test-gpu
+test-gpu:
+	@if $(GPU_PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then \
+	  test -f .gpu-carry/MANIFEST.json || $(GPU_PYTHON) tests/gpu/bundle.py || exit 1; \
+	  PY=$(GPU_PYTHON) bash tests/gpu/run_gpu_check.sh; \
+	else \
+	  echo "make test-gpu: nothing ran: no CUDA here ($(GPU_PYTHON) has no torch that sees a CUDA device), and tests/gpu runs vLLM's CUDA transfer worker, which needs one"; \
+	fi
 
 clean:
 	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) $(foreach r,$(CPU_ENGINE_RELEASES),.venv-cpu-$(r)) \
