@@ -15,6 +15,7 @@ fires once.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,24 +86,30 @@ def _arm_eviction_before_load(manager: OffloadingManager, trigger: Path) -> None
     manager.prepare_load = load_after_an_eviction  # type: ignore[method-assign]
 
 
-class LoadEvictsSpec(CPUCopyOffloadingSpec):
-    """kvobs's CPU copy spec whose manager, once armed (``KVOBS_DEFECT_TRIGGER``), evicts the first chunk
-    of the next load just before it (:func:`_arm_eviction_before_load`); fires once."""
+class ArmedDefect:
+    """An offloading spec whose manager gets the defect ``arm`` (once per manager) when ``KVOBS_DEFECT_TRIGGER``
+    names a trigger file; put before the spec class it arms (``class X(ArmedDefect, SomeSpec)``)."""
+
+    arm: Callable[[OffloadingManager, Path], None]
 
     def get_manager(self) -> OffloadingManager:
-        manager = super().get_manager()
+        manager: OffloadingManager = super().get_manager()  # type: ignore[misc]
         trigger = os.environ.get(TRIGGER_ENV)
         if trigger and not getattr(manager, "_kvobs_demo_defect", False):
-            _arm_eviction_before_load(manager, Path(trigger))
+            type(self).arm(manager, Path(trigger))
             manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
         return manager
 
 
-class LookupEvictsSpec(CPUCopyOffloadingSpec):
-    def get_manager(self) -> OffloadingManager:
-        manager = super().get_manager()
-        trigger = os.environ.get(TRIGGER_ENV)
-        if trigger and not getattr(manager, "_kvobs_demo_defect", False):
-            _arm_eviction_inside_lookup(manager, Path(trigger))
-            manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
-        return manager
+class LoadEvictsSpec(ArmedDefect, CPUCopyOffloadingSpec):
+    """kvobs's CPU copy spec whose manager, once armed, evicts the first chunk of the next load just
+    before it (:func:`_arm_eviction_before_load`); fires once."""
+
+    arm = staticmethod(_arm_eviction_before_load)
+
+
+class LookupEvictsSpec(ArmedDefect, CPUCopyOffloadingSpec):
+    """kvobs's CPU copy spec whose manager, once armed, evicts in the lookup after a HIT the chunk it
+    reported (:func:`_arm_eviction_inside_lookup`); fires once."""
+
+    arm = staticmethod(_arm_eviction_inside_lookup)

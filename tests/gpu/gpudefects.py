@@ -5,34 +5,18 @@ tests/gpu on the engine's PYTHONPATH); armed by the file named in ``KVOBS_DEFECT
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvobs.demo.defects import TRIGGER_ENV, _arm_eviction_before_load, _arm_eviction_inside_lookup
+from kvobs.demo.defects import ArmedDefect, _arm_eviction_before_load, _arm_eviction_inside_lookup
 
 
-class GpuLookupEvictsSpec(CPUOffloadingSpec):
+class GpuLookupEvictsSpec(ArmedDefect, CPUOffloadingSpec):
     """Once armed, the lookup after a HIT evicts the chunk it reported (vLLM #50014's pattern): the load dies."""
 
-    def get_manager(self) -> OffloadingManager:
-        manager = super().get_manager()
-        trigger = os.environ.get(TRIGGER_ENV)
-        if trigger and not getattr(manager, "_kvobs_demo_defect", False):
-            _arm_eviction_inside_lookup(manager, Path(trigger))
-            manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
-        return manager
+    arm = staticmethod(_arm_eviction_inside_lookup)
 
 
-class GpuLoadEvictsSpec(CPUOffloadingSpec):
+class GpuLoadEvictsSpec(ArmedDefect, CPUOffloadingSpec):
     """Once armed, the next load's first chunk is evicted just before the load (reaches hybrid models too)."""
 
-    def get_manager(self) -> OffloadingManager:
-        manager = super().get_manager()
-        trigger = os.environ.get(TRIGGER_ENV)
-        if trigger and not getattr(manager, "_kvobs_demo_defect", False):
-            _arm_eviction_before_load(manager, Path(trigger))
-            manager._kvobs_demo_defect = True  # type: ignore[attr-defined]
-        return manager
+    arm = staticmethod(_arm_eviction_before_load)
