@@ -25,11 +25,28 @@ HYBRID_PROMPTS = shared_prefix_workload(seed=3, documents_count=10, rounds=3)
 come back from the CPU tier."""
 
 
+def complete_with_the_defect_armed_every_other_request(
+    server: VllmServer, prompts: list[str], trigger: Path
+) -> tuple[list[str], int]:
+    """Each prompt's completion, the defect armed before every other request (their loads fail, the
+    others' load from the tier); with how many times it fired."""
+    fired = trigger.with_name(trigger.name + FIRED_SUFFIX)
+    outputs, times_fired = [], 0
+    for i, prompt in enumerate(prompts):
+        if i % 2:
+            trigger.touch()
+        outputs.extend(completions(server, [prompt]))
+        trigger.unlink(missing_ok=True)
+        if fired.exists():
+            times_fired += 1
+            fired.unlink()
+    return outputs, times_fired
+
+
 def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_offloading(
     engine_python: Path, tiny_llama: Path, reference_outputs: list[str], tmp_path: Path
 ) -> None:
     directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
-    fired = trigger.with_name(trigger.name + FIRED_SUFFIX)
     sidecar = Sidecar(directory).start()
     config = offload_config(
         kvobs_options={"dir": str(directory), "survive": True},
@@ -39,15 +56,7 @@ def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_o
     server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
                    served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
     try:
-        outputs, times_fired = [], 0
-        for i, prompt in enumerate(REFERENCE_PROMPTS):  # the defect armed before every other request:
-            if i % 2:                                     # their loads fail, the others' load from the tier
-                trigger.touch()
-            outputs.extend(completions(server, [prompt]))
-            trigger.unlink(missing_ok=True)
-            if fired.exists():
-                times_fired += 1
-                fired.unlink()
+        outputs, times_fired = complete_with_the_defect_armed_every_other_request(server, REFERENCE_PROMPTS, trigger)
         assert server.healthy(), "the engine stopped"
         assert times_fired >= 2, f"the defect fired {times_fired} times"
         assert loaded_tokens(server) > 0, "nothing came back from the CPU tier"
@@ -94,7 +103,6 @@ def test_a_hybrid_model_recomputes_whole_requests_and_every_output_equals_the_ru
     reference = completions(none, HYBRID_PROMPTS)
     none.stop()
     directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
-    fired = trigger.with_name(trigger.name + FIRED_SUFFIX)
     config = offload_config(
         kvobs_options={"dir": str(directory), "survive": True},
         inner_spec="LoadEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
@@ -103,15 +111,7 @@ def test_a_hybrid_model_recomputes_whole_requests_and_every_output_equals_the_ru
     server = serve(engine_python, tiny_gemma3, tmp_path / "engine.log", kv_transfer_config=config,
                    served_model_name=SERVED, engine_blocks=256, env={TRIGGER_ENV: str(trigger)})
     engines.append(server)
-    outputs, times_fired = [], 0
-    for i, prompt in enumerate(HYBRID_PROMPTS):
-        if i % 2:
-            trigger.touch()
-        outputs.extend(completions(server, [prompt]))
-        trigger.unlink(missing_ok=True)
-        if fired.exists():
-            times_fired += 1
-            fired.unlink()
+    outputs, times_fired = complete_with_the_defect_armed_every_other_request(server, HYBRID_PROMPTS, trigger)
     log = server.log()
     assert server.healthy(), "the engine stopped"
     assert "the whole request" in log, "survive armed on the request-level path"

@@ -143,16 +143,23 @@ def test_reset_after_lookup(managers: list, extra: dict[str, Any]) -> None:
     assert m.observer.evicted["reset"] == 1 and +m.observer.near_misses == {"reset": 1}
 
 
-def test_store_failed_after_lookup_a_failed_promotion(managers: list) -> None:
-    m = observed(managers, tiering_extra(1))
-    tier = m.inner.secondary_tiers[0]
+def promoting(m: ObservedOffloadingManager) -> ReqContext:
+    """A one-chunk CPU tier: key(1) stored, pushed to the secondary tier by key(2), then looked up by
+    req-a, whose lookup starts its promotion (HIT_PENDING: the CPU slot allocated, the write pending)."""
     s1, s2 = ctx(m, "store-1"), ctx(m, "store-2")
     store(m, [key(1)], s1)
     m.on_schedule_end(END)
     store(m, [key(2)], s2)  # key(1) now only in the secondary tier
     m.on_schedule_end(END)
     a = ctx(m, "req-a", {key(1): 16})
-    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING  # promotion allocated, write pending
+    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING
+    return a
+
+
+def test_store_failed_after_lookup_a_failed_promotion(managers: list) -> None:
+    m = observed(managers, tiering_extra(1))
+    tier = m.inner.secondary_tiers[0]
+    a = promoting(m)
     del tier.chunks[key(1)]  # the object vanished from the tier: its read (submit_load) fails
     m.on_schedule_end(END)  # flush submits the promotion; the tier fails it
     m.on_schedule_end(END)  # the failure is processed: complete_write(success=False)
@@ -174,13 +181,7 @@ def test_store_failed_after_lookup_a_promotion_released_later(managers: list) ->
         return
     m = observed(managers, {**tiering_extra(1), "secondary_tiers": [{"type": "DeferringTier",
                                                                      "module_path": "flaky_tier"}]})
-    s1, s2 = ctx(m, "store-1"), ctx(m, "store-2")
-    store(m, [key(1)], s1)
-    m.on_schedule_end(END)
-    store(m, [key(2)], s2)  # key(1) now only in the secondary tier
-    m.on_schedule_end(END)
-    a = ctx(m, "req-a", {key(1): 16})
-    assert m.lookup(key(1), a) is LookupResult.HIT_PENDING  # promotion allocated, write pending
+    a = promoting(m)
     m.on_schedule_end(END)  # flush submits the promotion; the tier fails it, release deferred
     m.on_schedule_end(END)  # the failure is processed: defer_write_release
     match = failed_load(m, [key(1)], a)

@@ -183,6 +183,24 @@ class ConnectorAsScheduler:
         return getattr(self.connector.connector_scheduler, name)
 
 
+def store_then_load_armed(scheduler: Any, trigger: Path, *, hybrid: bool, blocks: int) -> tuple[Any, Any, Any]:
+    """Through kvobs's connector: "first" stores a prompt of ``blocks`` blocks and finishes; with the defect
+    armed, "second" sends the same prompt, whose load finds a chunk missing (vLLM's engine would die
+    there). The driver, the second request and the metadata of that step."""
+    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=hybrid))
+    prompt = list(range(1, blocks * driver.BLOCK_SIZE + 2))
+    first = driver.make_request("first", prompt)
+    steps.step([first])
+    steps.step()
+    steps.report_all_worker_jobs()  # its chunks are stored
+    steps.finish(first)
+    steps.step()
+    steps.report_all_worker_jobs()
+    trigger.touch()
+    second = driver.make_request("second", prompt)
+    return steps, second, steps.step([second])
+
+
 def test_the_connector_reports_the_blocks_and_the_request_recomputes_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -190,19 +208,7 @@ def test_the_connector_reports_the_blocks_and_the_request_recomputes_once(
     manager = scheduler.connector_scheduler.manager
     try:
         assert manager.survival is not None and manager.survival.armed
-        steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=False))
-        prompt = list(range(1, 4 * driver.BLOCK_SIZE + 2))
-        first = driver.make_request("first", prompt)
-        steps.step([first])
-        steps.step()
-        steps.report_all_worker_jobs()  # its chunks are stored
-        steps.finish(first)
-        steps.step()
-        steps.report_all_worker_jobs()
-
-        trigger.touch()  # the defect: the lookup after a HIT evicts the chunk it reported
-        second = driver.make_request("second", prompt)
-        meta = steps.step([second])  # vLLM's engine would die in here
+        steps, second, meta = store_then_load_armed(scheduler, trigger, hybrid=False, blocks=4)
         (job,) = [j for j in meta.load_jobs.values() if j.req_id == "second"]
         loaded = [int(b) for b in job.dst_spec.block_ids]
         assert len(job.src_spec.block_ids) == len(loaded) // scheduler.connector_scheduler.config.blocks_per_chunk
@@ -244,20 +250,7 @@ def test_several_kv_cache_groups_recompute_the_whole_request(monkeypatch: pytest
     manager = scheduler.connector_scheduler.manager
     try:
         assert manager.survival is not None and manager.survival.armed
-        as_scheduler = ConnectorAsScheduler(scheduler)
-        steps = driver.EngineStepDriver(as_scheduler, driver.make_kv_cache_config(hybrid=True))
-        prompt = list(range(1, 8 * driver.BLOCK_SIZE + 2))
-        first = driver.make_request("first", prompt)
-        steps.step([first])
-        steps.step()
-        steps.report_all_worker_jobs()  # its chunks are stored
-        steps.finish(first)
-        steps.step()
-        steps.report_all_worker_jobs()
-
-        trigger.touch()
-        second = driver.make_request("second", prompt)
-        meta = steps.step([second])  # vLLM's engine would die in here
+        steps, second, meta = store_then_load_armed(scheduler, trigger, hybrid=True, blocks=8)
         assert steps.num_external_tokens["second"], "the second request loads from the CPU tier"
         assert +manager.observer.failures == {"evicted_after_lookup": 1}
         assert manager.observer.recomputes.counts == {
