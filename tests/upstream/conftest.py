@@ -22,7 +22,9 @@ How the wrapping reaches the tests without touching them: before each test, the 
 module and in the two vLLM modules that define them (for tests that import them inside a function),
 to a stand-in that builds the real manager and returns it observed. The stand-in is not a class of its
 own for anything else: ``isinstance``/``issubclass`` and class attributes answer as the real class
-does. The terminal summary counts the managers observed, and a wrapped run that observed none fails.
+does. After each wrapped test, kvobs must have counted no internal error of its own (it contains its
+faults, so vLLM's assertions alone would not see one). The terminal summary counts the managers
+observed, and a wrapped run that observed none fails.
 Tests a kvobs wrapper cannot apply to are deselected in the wrapped run by name, each with its reason
 (``NOT_FOR_A_WRAPPER``); ``KVOBS_UPSTREAM_WRAP=all`` runs them wrapped too.
 
@@ -157,14 +159,13 @@ class _ObservingConstructor(type):
     """Metaclass of the stand-ins: calling one builds the real manager and returns it observed."""
 
     _kvobs_real: type
-    _kvobs_count: Counter[str]
+    _kvobs_observed: list[Any]
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         import kvobs
 
-        manager = cls._kvobs_real(*args, **kwargs)
-        observed = kvobs.observe(manager)
-        cls._kvobs_count[cls._kvobs_real.__name__] += 1
+        observed = kvobs.observe(cls._kvobs_real(*args, **kwargs))
+        cls._kvobs_observed.append(observed)
         return observed
 
     def __instancecheck__(cls, obj: Any) -> bool:
@@ -180,26 +181,28 @@ class _ObservingConstructor(type):
         return f"<kvobs-observing stand-in for {cls._kvobs_real.__module__}.{cls._kvobs_real.__qualname__}>"
 
 
-def _stand_in(real: type, count: Counter[str]) -> type:
+def _stand_in(real: type, observed: list[Any]) -> type:
     return _ObservingConstructor(
         real.__name__,
         (),
-        {"_kvobs_real": real, "_kvobs_count": count, "__module__": real.__module__,
+        {"_kvobs_real": real, "_kvobs_observed": observed, "__module__": real.__module__,
          "__qualname__": real.__qualname__, "__doc__": real.__doc__},
     )
 
 
 @pytest.fixture(autouse=True)
 def _kvobs_observe_upstream_managers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """In the wrapped run, every manager the test constructs comes back observed by kvobs."""
+    """In the wrapped run, every manager the test constructs comes back observed by kvobs; after the
+    test, kvobs must have counted no internal error of its own (kvobs contains its faults, so a test
+    of vLLM's would pass over one)."""
     if not wrapping():
         yield
         return
     import importlib
 
-    count: Counter[str] = Counter()
+    observed: list[Any] = []
     reals = {name: getattr(importlib.import_module(module), name) for module, name in WRAPPED_CLASSES.items()}
-    stand_ins = {name: _stand_in(real, count) for name, real in reals.items()}
+    stand_ins = {name: _stand_in(real, observed) for name, real in reals.items()}
     modules = [sys.modules[m] for m in WRAPPED_CLASSES]
     modules += [mod for name, mod in list(sys.modules.items())
                 if mod is not None and (name == VENDORED_PACKAGE or name.startswith(VENDORED_PACKAGE + "."))]
@@ -209,9 +212,13 @@ def _kvobs_observe_upstream_managers(request: pytest.FixtureRequest, monkeypatch
                 monkeypatch.setattr(module, name, stand_ins[name])
     yield
     totals = request.config.stash[_observed_key]
-    totals.update(count)
-    totals["tests"] += bool(count)
+    totals.update(type(manager.inner).__name__ for manager in observed)
+    totals["tests"] += bool(observed)
     totals["ran"] += 1
+    faults = [f"{type(manager.inner).__name__}: {stage} x{n}"
+              for manager in observed for stage, n in manager.observer.internal_errors.items() if n]
+    if faults:
+        pytest.fail(f"kvobs counted internal errors of its own: {'; '.join(faults)}", pytrace=False)
 
 
 def _has(obj: Any, names: list[str]) -> bool:
