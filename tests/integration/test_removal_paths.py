@@ -79,9 +79,7 @@ def test_a_store_job_the_workers_fail_is_a_store_failed_removal(caplog: pytest.L
         scheduler.shutdown()
 
 
-def test_a_promotion_failed_with_a_deferred_release_has_a_reason_of_its_own(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_promotion_failed_with_a_deferred_release_has_a_reason_of_its_own() -> None:
     scheduler, _spec, kv_cache_config = build_scheduler(
         {**OBSERVED, "kvobs": {"inner_spec": "TieringOffloadingSpec"},
          "secondary_tiers": [{"type": "DeferringTier", "module_path": "flaky_tier"}], "tier_poll_interval_s": 0},
@@ -101,25 +99,20 @@ def test_a_promotion_failed_with_a_deferred_release_has_a_reason_of_its_own(
         cpu = compat.cpu_tier_of(m.inner)
         key0 = offload_key(writer, 0, 0)
         assert compat.chunk_state(cpu, key0) == "missing", "the document is only in the secondary tier now"
-        if not _job_result_defers():  # before 0.34: a tier cannot defer a release
-            assert "deferred_release" not in {f.name for f in dataclasses.fields(_job_result())}
+        if not _job_result_defers():  # before 0.34: a tier cannot defer a release, nothing to hook
+            assert not hasattr(cpu, compat.DEFERRED_RELEASE_METHOD)
             return
         reader = make_request("reader", DOCUMENT)
-        with caplog.at_level(logging.DEBUG):
-            driver.step([reader])  # lookup: a promotion, which the tier fails; the step's end processes it
+        driver.step([reader])  # lookup: a promotion, which the tier fails; the step's end processes it
         assert driver.num_external_tokens["reader"] is None, "the request waits for its promotion"
         tier = m.inner.secondary_tiers[0]
         assert tier.released, "the step's end submitted the promotion, which the tier failed"
-        capacity = m.observer.evicted["capacity"]
         driver.step()  # the reader's next lookup processes the failure first: the keys leave, slots held
         assert cpu.num_deferred_release_chunks > 0
         assert m.observer.evicted["deferred_release"] == cpu.num_deferred_release_chunks, \
             "each chunk vLLM holds for the tier, counted once under its own reason"
         last = m.observer.history.last_removals([key0])[0]
         assert last is not None and last.reason == "deferred_release" and last.path == "lookup"
-        assert m.observer.evicted["capacity"] >= capacity  # (the lookup may promote again, evicting)
-        last = m.observer.history.last_removals([key0])[0]
-        assert last is not None and last.reason == "deferred_release"
         for event in tier.released:
             event.set()
     finally:
