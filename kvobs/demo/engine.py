@@ -223,3 +223,29 @@ def shared_prefix_workload(*, seed: int = 0, documents_count: int = 7, rounds: i
         prompts += [f"{doc} question {i}" for doc in recurring]
         prompts += one_off[i * fillers : (i + 1) * fillers]
     return prompts
+
+
+def counter_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """{sorted labels: value} of one counter (``name`` without ``_total``) in a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def loaded_token_counts(metrics_text: str) -> list[float]:
+    """vLLM's own counts of prompt tokens taken from the offload tier, from its ``/metrics`` page (the
+    tokens-by-source counter, else the external prefix-cache hits of releases without it); empty when
+    vLLM exports neither."""
+    import re
+
+    found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
+                       metrics_text, re.M) or re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$",
+                                                       metrics_text, re.M)
+    return [float(v) for v in found]
+

