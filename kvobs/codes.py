@@ -69,9 +69,6 @@ STAGES: tuple[str, ...] = (
 DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
 """Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``)."""
 
-SURVIVE_COUNTS: tuple[str, ...] = ("loads", "tokens", "alarms")
-"""What survive mode counts (kvobs/survive.py): recomputed loads, their tokens, alarms raised."""
-
 # -- a removal batch's flags: reason in the low bits, path above ---------------------
 
 REASON_BITS = 2

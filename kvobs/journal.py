@@ -325,11 +325,10 @@ class JournalSink(Sink):
     def _totals(self) -> str:
         obs = self.observer
         stats = obs.history_stats
+        counters = obs.totals()  # every engine counter of kvobs/metric_catalogue.py
+        counters["dropped"]["journal"] = self.dropped  # the one this sink counts
         return encode_totals(
-            self.writer, time.time(),
-            {"evicted": obs.evicted, "batches": obs.batches, "near": obs.near_misses, "failures": obs.failures,
-             "errors": obs.internal_errors, "dropped": {"journal": self.dropped, "verdicts": obs.promises.dropped},
-             "survive": obs.recomputes.counts},
+            self.writer, time.time(), counters,
             history_keys=stats.keys, history_window_s=stats.window(time.monotonic()), seq=next(self._totals_seq),
         )
 

@@ -1,19 +1,33 @@
-"""Every ``kvobs_*`` metric, once: name, type, labels, help (stdlib only; cheap to import).
+"""Every ``kvobs_*`` metric, once: name, type, labels and their known values, help, and for each
+engine counter where it is counted and the key it travels under in the journal's totals.
 
-Both exporters build their metrics from here: the sidecar's Prometheus collector
-(``kvobs/sidecar/metrics.py``, every metric) and kvobs's opt-in counters on vLLM's own ``/metrics``
-(``kvobs/vllm/vllm_metrics.py``, the three of :data:`ON_VLLM`, under ``vllm:kv_offload_`` + name).
+Everything that handles a counter iterates this table (stdlib only; cheap to import):
+
+* the engine's counts: ``Observer.counts`` has one ``Counter`` per totals key (kvobs/observer.py);
+* the journal's ``totals`` lines and their reader: ``kvobs.wire.format.TOTAL_KEYS``/``TOTAL_LABELS``;
+* the sidecar's Prometheus collector (kvobs/sidecar/metrics.py);
+* kvobs's opt-in counters on vLLM's own ``/metrics`` (kvobs/vllm/vllm_metrics.py, the entries with
+  ``on_vllm``, under ``vllm:kv_offload_`` + name).
+
+So adding an engine counter is an entry here plus the line that counts it
+(``observer.counts[<totals key>][<label value>] += n``): docs/design.md, "Where to change what".
 Names are as prometheus_client's metric families take them: a counter's without its ``_total``
-(exposed with it). The names and labels are a contract (DESIGN.md, README "Metrics", the dashboards):
-add a metric here, never rename one.
+(exposed with it). The names and labels are a contract (DESIGN.md, README "Metrics", the
+dashboards): add a metric here, never rename one.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES
+
 ENGINE_LABELS = ("model_name", "engine")
 """vLLM's own identity labels, with vLLM's values: kvobs_* series join vllm:* series on them."""
+
+UNKNOWN_WIRE = ("label_value", "counter", "field", "record_kind")
+"""What a sidecar can meet in a journal that it does not know (a newer engine's): the ``what`` label of
+``kvobs_sidecar_unknown_wire_items`` (kvobs/wire/decode.py keeps the rest of such a line)."""
 
 
 class MetricDef(NamedTuple):
@@ -26,6 +40,18 @@ class MetricDef(NamedTuple):
     help: str
     per_engine: bool = True
     """False for the sidecar's own health series: no engine labels."""
+    values: tuple[str, ...] = ()
+    """The values of its (one) label that exist from the start, each a series from the first scrape
+    (kvobs.codes). A reader exports values it does not know too (a newer engine's)."""
+    totals: str = ""
+    """An engine counter: the key of the journal's ``totals`` map it travels under (and of
+    ``Observer.counts``); "" for everything else."""
+    part: str = ""
+    """An engine counter without labels: its entry in that totals map (several share one key)."""
+    counted: str = ""
+    """Where the engine counts it (the place to look when it does not move)."""
+    on_vllm: bool = False
+    """Also on vLLM's ``/metrics`` with the ``vllm_metrics`` option (kvobs/vllm/vllm_metrics.py)."""
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -34,9 +60,14 @@ class MetricDef(NamedTuple):
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("kvobs_evicted_chunks", "counter", ("reason",), "Chunks removed from the CPU tier, by reason."),
-    MetricDef("kvobs_eviction_batches", "counter", ("reason",), "Removal batches from the CPU tier, by reason."),
-    MetricDef("kvobs_load_failures", "counter", ("cause",), "Failed prepare_load calls, by cause."),
+    MetricDef("kvobs_evicted_chunks", "counter", ("reason",), "Chunks removed from the CPU tier, by reason.",
+              values=REASONS, totals="evicted", counted="the recorder's removal taps (kvobs/hot_path.py)",
+              on_vllm=True),
+    MetricDef("kvobs_eviction_batches", "counter", ("reason",), "Removal batches from the CPU tier, by reason.",
+              values=REASONS, totals="batches", counted="the recorder's removal taps (kvobs/hot_path.py)"),
+    MetricDef("kvobs_load_failures", "counter", ("cause",), "Failed prepare_load calls, by cause.",
+              values=CAUSES, totals="failures", counted="Observer.report_failure (kvobs/observer.py)",
+              on_vllm=True),
     MetricDef("kvobs_missing_chunks", "counter", ("cause", "group"),
               "Chunks missing at a failed load, by cause and KV group."),
     MetricDef("kvobs_missing_chunk_eviction_age_seconds", "histogram", ("group",),
@@ -44,18 +75,25 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_chunk_residency_seconds", "histogram", ("reason",),
               "Seconds a chunk stayed in the CPU tier (store to removal)."),
     MetricDef("kvobs_hits_evicted_before_load", "counter", ("reason",),
-              "Chunks a lookup reported that were removed before the request's load pinned them (near misses)."),
+              "Chunks a lookup reported that were removed before the request's load pinned them (near misses).",
+              values=REASONS, totals="near", counted="Observer.near_missed (kvobs/observer.py)", on_vllm=True),
     MetricDef("kvobs_history_chunks", "gauge", (), "Keys in the eviction history."),
     MetricDef("kvobs_history_window_seconds", "gauge", (), "How far back the eviction history reaches."),
-    MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded."),
+    MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded.",
+              values=DROP_STAGES, totals="dropped",
+              counted="JournalSink._enqueue (journal), the recorder's promises (verdicts)"),
     MetricDef("kvobs_internal_errors", "counter", ("stage",),
-              "Faults of kvobs's own (counted, never raised into vLLM)."),
+              "Faults of kvobs's own (counted, never raised into vLLM).",
+              values=STAGES, totals="errors", counted="Observer.internal_error (kvobs/observer.py)"),
     MetricDef("kvobs_recomputed_loads", "counter", (),
-              "Failed loads survive mode turned into a recompute (the engine went on; 0 unless the option is on)."),
+              "Failed loads survive mode turned into a recompute (the engine went on; 0 unless the option is on).",
+              totals="survive", part="loads", counted="RecomputeLedger.recomputed (kvobs/survive.py)"),
     MetricDef("kvobs_recomputed_tokens", "counter", (),
-              "Tokens vLLM recomputed for those loads (what survive mode cost)."),
+              "Tokens vLLM recomputed for those loads (what survive mode cost).",
+              totals="survive", part="tokens", counted="RecomputeLedger.recomputed (kvobs/survive.py)"),
     MetricDef("kvobs_recompute_alarms", "counter", (),
-              "Times recomputes exceeded the survive_alarm_per_hour option within an hour (logged at ERROR)."),
+              "Times recomputes exceeded the survive_alarm_per_hour option within an hour (logged at ERROR).",
+              totals="survive", part="alarms", counted="RecomputeLedger.recomputed (kvobs/survive.py)"),
     MetricDef("kvobs_build_info", "gauge", ("version", "vllm_version", "hot_path"),
               "kvobs and vLLM versions and the hot path each engine runs (compiled or python)."),
     MetricDef("kvobs_observing", "gauge", ("reason",),
@@ -79,17 +117,27 @@ METRICS: tuple[MetricDef, ...] = (
               "Files and directories of the kvobs directory the sidecar cannot read or write now "
               "(/healthz names them).", per_engine=False),
     MetricDef("kvobs_sidecar_engines", "gauge", (), "Engines the sidecar has seen.", per_engine=False),
+    MetricDef("kvobs_sidecar_unknown_wire_items", "gauge", ("what",),
+              "Distinct label values, counters, fields and record kinds in the journals and reports this sidecar "
+              "does not know (a newer engine's; the rest of each line is read, unknown label values exported).",
+              per_engine=False, values=UNKNOWN_WIRE),
     MetricDef("kvobs_sidecar_last_poll_timestamp_seconds", "gauge", (),
               "Wall time the last ingest round ended (0 until the first round ends).",
               per_engine=False),
 )
 METRIC: dict[str, MetricDef] = {m.name: m for m in METRICS}
 
-SURVIVE_METRICS = {"loads": "kvobs_recomputed_loads", "tokens": "kvobs_recomputed_tokens",
-                   "alarms": "kvobs_recompute_alarms"}
-"""Survive mode's counts (``kvobs.codes.SURVIVE_COUNTS``) and the metric each is exported as."""
+COUNTED: tuple[MetricDef, ...] = tuple(m for m in METRICS if m.totals)
+"""The engine counters: those the journal's totals carry."""
 
-ON_VLLM = ("kvobs_evicted_chunks", "kvobs_load_failures", "kvobs_hits_evicted_before_load")
+TOTALS: dict[str, tuple[str, ...]] = {}
+"""Totals key -> the label values (or, for counters without labels, the parts) it starts with."""
+for _metric in COUNTED:
+    TOTALS[_metric.totals] = (*TOTALS.get(_metric.totals, ()), *((_metric.part,) if _metric.part else _metric.values))
+assert all(m.type == "counter" and (len(m.labels) == 1) != bool(m.part) for m in COUNTED), \
+    "an engine counter has one label, or no label and a part"
+
+ON_VLLM = tuple(m.name for m in METRICS if m.on_vllm)
 """The counters the ``vllm_metrics`` option also puts on vLLM's own ``/metrics``, as
 ``vllm:kv_offload_`` + name (vLLM adds the engine labels itself)."""
 VLLM_PREFIX = "vllm:kv_offload_"

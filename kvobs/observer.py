@@ -15,10 +15,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from kvobs.codes import CAUSES, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, STAGES
+from kvobs.codes import PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Recorder, RemovalRun, Verdict
+from kvobs.metric_catalogue import TOTALS
 from kvobs.options import Options
 from kvobs.survive import RecomputeLedger
 
@@ -104,14 +105,14 @@ class Observer:
         )
         self.promises = self.recorder.promises
         self._sinks: tuple[Sink, ...] = ()
-        # Every label value present from the start, so readers on other threads
-        # can copy these dicts while they change (their size never does).
-        self.near_misses: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
-        self.failures: Counter[str] = Counter(dict.fromkeys(CAUSES, 0))
-        self.internal_errors: Counter[str] = Counter(dict.fromkeys(STAGES, 0))
+        self.counts: dict[str, Counter[str]] = {key: Counter(dict.fromkeys(values, 0))
+                                                for key, values in TOTALS.items()}
+        """The engine's counters, one per totals key of kvobs/metric_catalogue.py, every label value present
+        from the start, so readers on other threads can copy them while they change (their size never
+        does). The recorder counts removals itself (:meth:`totals` reads them from it)."""
         self.history_stats: HistoryStats = self._history.stats()
-        self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour)
-        """Survive mode's counts (zero unless the ``survive`` option turned loads into recomputes)."""
+        self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour, self.counts["survive"])
+        """Survive mode's ledger (its counts stay zero unless the ``survive`` option turned loads into recomputes)."""
         self._next_stats_at = 0.0
         self._drain_lock = threading.RLock()
         self._draining = False
@@ -147,6 +148,31 @@ class Observer:
     def batches(self) -> Counter[str]:
         """Removal batches, by reason."""
         return Counter(dict(zip(REASONS, self.recorder.totals()[1], strict=True)))
+
+    @property
+    def near_misses(self) -> Counter[str]:
+        """Hits removed before their load, by the removal's reason."""
+        return self.counts["near"]
+
+    @property
+    def failures(self) -> Counter[str]:
+        """Failed loads, by cause."""
+        return self.counts["failures"]
+
+    @property
+    def internal_errors(self) -> Counter[str]:
+        """kvobs's own faults, by stage."""
+        return self.counts["errors"]
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Every engine counter now, by totals key (what the journal's totals lines and vLLM's stats carry):
+        :attr:`counts`, with what the recorder counts itself (removals, dropped verdicts) read from it."""
+        out = {key: dict(counts) for key, counts in self.counts.items()}
+        evicted, batches = self.recorder.totals()
+        out["evicted"] = dict(zip(REASONS, evicted, strict=True))
+        out["batches"] = dict(zip(REASONS, batches, strict=True))
+        out["dropped"]["verdicts"] = self.promises.dropped
+        return out
 
     # -- recording -------------------------------------------------------
 
@@ -223,7 +249,7 @@ class Observer:
             if miss.breach is not None:  # else the history lost it: counted nowhere rather than wrongly
                 by_reason.setdefault(REASONS[miss.breach.reason], []).append(miss)
         for reason, misses in by_reason.items():
-            self.near_misses[reason] += len(misses)
+            self.counts["near"][reason] += len(misses)
             self._each_sink(lambda s, m=misses, r=reason: s.on_near_miss(m, r))  # type: ignore[misc]
         return near
 
@@ -306,7 +332,7 @@ class Observer:
                     recomputed=recomputed,
                 )
             )
-        self.failures[diagnosis.cause] += 1
+        self.counts["failures"][diagnosis.cause] += 1
         self.history_stats = stats
         if recomputed:
             logger.warning("kv offload load failed, recomputed instead (kvobs survive): %s", diagnosis.message)
@@ -335,10 +361,11 @@ class Observer:
 
     def internal_error(self, stage: str, exc: BaseException) -> None:
         """Count a fault of kvobs's own; log the first of each stage."""
-        if stage not in self.internal_errors:
+        errors = self.counts["errors"]
+        if stage not in errors:
             stage = "sink"
-        self.internal_errors[stage] += 1
-        if self.internal_errors[stage] == 1:
+        errors[stage] += 1
+        if errors[stage] == 1:
             logger.error("kvobs internal error in %s (counted, not raised): %r", stage, exc)
 
     def _each_sink(self, call: Callable[[Sink], None], stage: str | None = None) -> None:

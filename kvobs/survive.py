@@ -1,18 +1,16 @@
 """What survive mode counts: recomputed loads and tokens, and the alarm when they keep happening.
 
 Pure logic (no vLLM): the glue in ``kvobs/vllm/survive.py`` reports each load it turned into a
-recompute; the journal writes ``counts`` with the other totals (``kvobs.wire.format.TOTAL_KEYS``
-``"survive"``), which the sidecar exports as ``kvobs_recomputed_loads_total``,
-``kvobs_recomputed_tokens_total`` and ``kvobs_recompute_alarms_total``.
+recompute; its counts are the observer's ``counts["survive"]`` (kvobs/metric_catalogue.py: the
+journal's totals carry them, the sidecar exports them as ``kvobs_recomputed_loads_total``,
+``kvobs_recomputed_tokens_total`` and ``kvobs_recompute_alarms_total``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-
-from kvobs.codes import SURVIVE_COUNTS
+from collections import Counter, deque
 
 logger = logging.getLogger("kvobs")
 
@@ -24,9 +22,10 @@ class RecomputeLedger:
     ``alarm_per_hour`` happen within an hour, at most once an hour. Memory: ``alarm_per_hour + 1``
     timestamps."""
 
-    def __init__(self, alarm_per_hour: int) -> None:
+    def __init__(self, alarm_per_hour: int, counts: Counter[str] | None = None) -> None:
         self.alarm_per_hour = alarm_per_hour
-        self.counts: dict[str, int] = dict.fromkeys(SURVIVE_COUNTS, 0)
+        self.counts: Counter[str] = Counter() if counts is None else counts
+        """``loads``, ``tokens`` and ``alarms`` (the observer passes its ``counts["survive"]``)."""
         self._recent: deque[float] = deque(maxlen=alarm_per_hour + 1)
         self._quiet_until = float("-inf")
 

@@ -3,15 +3,16 @@ name, type, labels and help come from :mod:`kvobs.metric_catalogue`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvobs import __version__
-from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
-from kvobs.metric_catalogue import METRIC, SURVIVE_METRICS
+from kvobs.codes import CAUSES, REASONS
+from kvobs.metric_catalogue import COUNTED, METRIC
 from kvobs.sidecar.ingest import Ingest
 from kvobs.wire.histogram import Histogram
 
@@ -44,32 +45,34 @@ def _exemplar(newest: tuple[str, float] | None) -> Exemplar | None:
     return Exemplar({"trace_id": trace_id}, 1.0, when)
 
 
+def _values(known: tuple[str, ...], *seen: Iterable[str]) -> list[str]:
+    """A label's values: the known ones (each a series from the start), then those a newer engine sent."""
+    return [*known, *sorted({v for values in seen for v in values} - set(known))]
+
+
 class KvobsCollector(Collector):
     """Every metric of DESIGN.md; every reason/cause/stage label value present from the start.
 
     Each engine's series carry ``model_name`` and ``engine`` as vLLM labels its own; the
-    sidecar's own series (``kvobs_sidecar_*``) carry neither."""
+    sidecar's own series (``kvobs_sidecar_*``) carry neither. The engine counters are
+    kvobs/metric_catalogue.py's ``COUNTED``, read from the engine's summed totals by their totals key,
+    with any label value a newer engine sent under its own value."""
 
     def __init__(self, ingest: Ingest) -> None:
         self.ingest = ingest
 
     def collect(self) -> Iterator[Metric]:
-        evicted = _family("kvobs_evicted_chunks")
-        batches = _family("kvobs_eviction_batches")
-        failures = _family("kvobs_load_failures")
+        counted = {metric.name: _family(metric.name) for metric in COUNTED}
+        failures = counted["kvobs_load_failures"]
         missing = _family("kvobs_missing_chunks")
         age = _family("kvobs_missing_chunk_eviction_age_seconds")
         residency = _family("kvobs_chunk_residency_seconds")
-        near = _family("kvobs_hits_evicted_before_load")
         hist_chunks = _family("kvobs_history_chunks")
         hist_window = _family("kvobs_history_window_seconds")
-        dropped = _family("kvobs_dropped_records")
-        errors = _family("kvobs_internal_errors")
         build = _family("kvobs_build_info")
         observing = _family("kvobs_observing")
         newest_failure = _family("kvobs_last_load_failure_timestamp_seconds")
         previous_failure = _family("kvobs_previous_load_failure_timestamp_seconds")
-        survive = {count: _family(SURVIVE_METRICS[count]) for count in SURVIVE_COUNTS}
         last = _family("kvobs_engine_last_record_timestamp_seconds")
         ingest = self.ingest
         with ingest.lock:
@@ -77,14 +80,20 @@ class KvobsCollector(Collector):
             for identity, engine in sorted(state.engines.items()):
                 totals = engine.totals()
                 latest = engine.latest()
-                for reason in REASONS:
-                    evicted.add_metric([*identity, reason], totals.get("evicted", {}).get(reason, 0))
-                    batches.add_metric([*identity, reason], totals.get("batches", {}).get(reason, 0))
-                    near.add_metric([*identity, reason], totals.get("near", {}).get(reason, 0))
+                for metric in COUNTED:
+                    counts = totals.get(metric.totals, {})
+                    family = counted[metric.name]
+                    if metric.part:
+                        family.add_metric([*identity], counts.get(metric.part, 0))
+                        continue
+                    extra = (engine.failure_times, (c for c, _ in engine.missing)) if family is failures else ()
+                    for value in _values(metric.values, counts, *extra):
+                        exemplar = _exemplar(engine.exemplars.get(value)) if family is failures else None
+                        family.add_metric([*identity, value], counts.get(value, 0), exemplar=exemplar)
+                for reason in _values(REASONS, engine.residency):
                     _hist(residency, [*identity, reason], engine.residency.get(reason))
-                for cause in CAUSES:
-                    failures.add_metric([*identity, cause], totals.get("failures", {}).get(cause, 0),
-                                        exemplar=_exemplar(engine.exemplars.get(cause)))
+                for cause in _values(CAUSES, totals.get("failures", {}), engine.failure_times,
+                                     (c for c, _ in engine.missing)):
                     newest_t, previous_t = engine.failure_times.get(cause, (0.0, 0.0))
                     newest_failure.add_metric([*identity, cause], newest_t)
                     previous_failure.add_metric([*identity, cause], previous_t)
@@ -92,12 +101,6 @@ class KvobsCollector(Collector):
                         missing.add_metric([*identity, cause, group], engine.missing.get((cause, group), 0))
                 for group in sorted(engine.groups or {"0"}):
                     _hist(age, [*identity, group], engine.missing_age.get(group))
-                for stage in DROP_STAGES:
-                    dropped.add_metric([*identity, stage], totals.get("dropped", {}).get(stage, 0))
-                for stage in STAGES:
-                    errors.add_metric([*identity, stage], totals.get("errors", {}).get(stage, 0))
-                for count, family in survive.items():
-                    family.add_metric([*identity], totals.get("survive", {}).get(count, 0))
                 hist_chunks.add_metric([*identity], 0.0 if latest is None else latest.history_keys)
                 hist_window.add_metric([*identity], 0.0 if latest is None else latest.history_window_s)
                 hello = engine.hello
@@ -106,25 +109,14 @@ class KvobsCollector(Collector):
                     observing.add_metric([*identity, hello.reason], 1 if hello.observing else 0)
                 last.add_metric([*identity], engine.last_record_time)
             skipped = dict(state.skipped)
+            unknown = Counter(item.partition(":")[0] for item in state.unknown)
             records = state.records
             engines = len(state.engines)
             last_poll = ingest.last_poll
             ingest_errors = ingest.errors
             unreadable = len(ingest.unreadable)
-        yield from (
-            evicted,
-            batches,
-            failures,
-            missing,
-            age,
-            residency,
-            near,
-            hist_chunks,
-            hist_window,
-            dropped,
-            errors,
-            *survive.values(),
-        )
+        yield from counted.values()
+        yield from (missing, age, residency, hist_chunks, hist_window)
         yield from (build, observing, last, newest_failure, previous_failure)
         ingested = _family("kvobs_sidecar_records")
         ingested.add_metric([], records)
@@ -146,6 +138,10 @@ class KvobsCollector(Collector):
         seen = _family("kvobs_sidecar_engines")
         seen.add_metric([], engines)
         yield seen
+        strange = _family("kvobs_sidecar_unknown_wire_items")
+        for what in METRIC["kvobs_sidecar_unknown_wire_items"].values:
+            strange.add_metric([what], unknown.get(what, 0))
+        yield strange
         poll = _family("kvobs_sidecar_last_poll_timestamp_seconds")
         poll.add_metric([], last_poll)
         yield poll

@@ -14,6 +14,7 @@ checks (``kvobs.wire.decode``) wherever it holds what a journal line holds (writ
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -21,15 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvobs.codes import CAUSES, REASONS
+from kvobs import __version__
 from kvobs.wire.decode import Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
-    TOTAL_KEYS,
+    MAX_LABEL_VALUES,
+    MAX_SHORT_LABEL,
+    OTHER,
+    TOTAL_LABELS,
     Ages,
     Hello,
     Record,
     Removals,
     Totals,
+    Unknown,
     Writer,
     is_count,
     is_engine_label,
@@ -41,6 +46,10 @@ from kvobs.wire.format import (
 )
 from kvobs.wire.histogram import Histogram
 
+logger = logging.getLogger("kvobs.sidecar")
+
+MAX_UNKNOWN = 256
+"""Distinct unknown wire items a sidecar remembers (kvobs_sidecar_unknown_wire_items counts them)."""
 CHECKPOINT_FORMAT = 3
 READABLE_FORMATS = (2, 3)  # format 2 knew engines by their engine label alone (model_name "")
 
@@ -49,10 +58,14 @@ EngineId = tuple[str, str]
 
 
 def _add(into: dict[str, dict[str, float]], counters: Mapping[str, Mapping[str, float]]) -> None:
-    for name in TOTAL_KEYS:
+    """Sum ``counters`` into ``into``: past ``MAX_LABEL_VALUES`` values a newer writer added (of all
+    writers together), the rest go under ``OTHER``, as a line's do (kvobs.wire.format)."""
+    for name, counts in counters.items():
         target = into.setdefault(name, {})
-        for label, value in (counters.get(name) or {}).items():
-            target[label] = target.get(label, 0.0) + value
+        room = len(TOTAL_LABELS.get(name, ())) + MAX_LABEL_VALUES
+        for label, value in counts.items():
+            key = label if label in target or len(target) < room else OTHER
+            target[key] = target.get(key, 0.0) + value
 
 
 @dataclass
@@ -99,6 +112,18 @@ class SidecarState:
         self.reports_seen: set[str] = set()
         self.records = 0
         self.skipped: Counter[tuple[str, str]] = Counter()  # (source, reason) -> records or files skipped
+        self.unknown: set[str] = set()
+        """What of the wire this sidecar does not know (``<what>:<name>``, kvobs.wire.format.unknown_item),
+        at most ``MAX_UNKNOWN`` items: a newer engine's label values, counters, fields and kinds."""
+
+    def note_unknown(self, items: tuple[str, ...]) -> None:
+        """Remember what a record carried that this sidecar does not know; log each item once."""
+        for item in items:
+            if item not in self.unknown and len(self.unknown) < MAX_UNKNOWN:
+                self.unknown.add(item)
+                logger.warning("kvobs sidecar: the journal carries %s, which this sidecar (kvobs %s) does not know: "
+                               "a newer engine's; the rest of its records is read (README, 'Upgrading')",
+                               item, __version__)
 
     def engine(self, identity: EngineId) -> EngineState:
         state = self.engines.get(identity)
@@ -112,6 +137,10 @@ class SidecarState:
             self.skipped["journal", "corrupt"] += 1
             return
         self.records += 1
+        if record.unknown:
+            self.note_unknown(record.unknown)
+        if isinstance(record, Unknown):
+            return
         state = self.engine(record.writer.identity)
         if isinstance(record, Removals):
             if record.times:
@@ -153,6 +182,7 @@ class SidecarState:
         if report.name in self.reports_seen:
             return
         self.reports_seen.add(report.name)
+        self.note_unknown(report.unknown)
         state = self.engine((report.model_name, report.engine))
         for cause, group, n in report.summary.counts:
             state.groups.add(group)
@@ -182,6 +212,7 @@ class SidecarState:
             "reports_seen": sorted(self.reports_seen),
             "records": self.records,
             "skipped": [[source, reason, n] for (source, reason), n in self.skipped.items()],
+            "unknown": sorted(self.unknown),
             "engines": [
                 {
                     "model_name": identity[0],
@@ -193,7 +224,7 @@ class SidecarState:
                         for writer, w in e.live.items()
                     },
                     "retired": e.retired,
-                    "hello": None if e.hello is None else e.hello._asdict() | {"writer": list(e.hello.writer)},
+                    "hello": None if e.hello is None else _hello_json(e.hello),
                     "last_record_time": e.last_record_time,
                     "groups": sorted(e.groups),
                     "residency": {r: h.to_json() for r, h in e.residency.items()},
@@ -210,6 +241,18 @@ class SidecarState:
     def from_json(cls, data: Any) -> SidecarState:
         """A checkpoint read back; ValueError if any part of it is not what to_json writes."""
         return _Restore(data).state
+
+
+def _hello_json(hello: Hello) -> dict[str, Any]:
+    """A hello as the checkpoint keeps it: its fields as a journal line's (what it did not know is in ``unknown``)."""
+    fields = hello._asdict()
+    del fields["unknown"]
+    return fields | {"writer": list(hello.writer)}
+
+
+def _short(value: Any) -> bool:
+    """A label value as a totals line may carry it (a newer engine's too)."""
+    return is_label(value, MAX_SHORT_LABEL)
 
 
 class _Restore:
@@ -232,6 +275,10 @@ class _Restore:
             if not (isinstance(row, list) and len(row) == 3 and is_label(row[0]) and is_label(row[1])):
                 raise ValueError("bad skipped counts")
             state.skipped[(row[0], row[1])] = self._count(row[2])
+        unknown = data.get("unknown") or []  # absent before kvobs 0.2
+        if not isinstance(unknown, list) or not all(is_label(u, 2 * MAX_SHORT_LABEL) for u in unknown):
+            raise ValueError("bad unknown wire items")
+        state.unknown = set(unknown[:MAX_UNKNOWN])
         engines: Any
         if data["format"] == 2:
             engines = [e | {"engine": name, "model_name": ""} if isinstance(e, dict) else e
@@ -267,7 +314,7 @@ class _Restore:
     @staticmethod
     def _counters(value: Any) -> dict[str, dict[str, float]]:
         """Counters as a totals line carries them, by the journal decoder's rules (label values included)."""
-        if not isinstance(value, dict) or not set(value) <= set(TOTAL_KEYS):
+        if not isinstance(value, dict) or not set(value) <= set(TOTAL_LABELS):
             raise ValueError("bad counters")
         out: dict[str, dict[str, float]] = {}
         for name, counts in value.items():
@@ -315,11 +362,11 @@ class _Restore:
             raise ValueError("bad groups")
         engine.groups = set(groups)
         for reason, h in self._dict(e, "residency").items():
-            if reason not in REASONS:
+            if not is_label(reason, MAX_SHORT_LABEL):
                 raise ValueError("bad residency reason")
             engine.residency[reason] = self._hist(h)
         for row in e.get("missing") or []:
-            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and isinstance(row[1], str)
+            if not (isinstance(row, list) and len(row) == 3 and _short(row[0]) and isinstance(row[1], str)
                     and row[1].isdigit()):
                 raise ValueError("bad missing counts")
             engine.missing[(row[0], row[1])] = self._count(row[2])
@@ -328,11 +375,11 @@ class _Restore:
                 raise ValueError("bad group")
             engine.missing_age[group] = self._hist(h)
         for row in e.get("exemplars") or []:  # absent from checkpoints written before exemplars
-            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and is_hex_id(row[1], 32)):
+            if not (isinstance(row, list) and len(row) == 3 and _short(row[0]) and is_hex_id(row[1], 32)):
                 raise ValueError("bad exemplar")
             engine.exemplars[row[0]] = (row[1], self._seconds(row[2]))
         for row in e.get("failure_times") or []:  # absent from checkpoints written before these times
-            if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES):
+            if not (isinstance(row, list) and len(row) == 3 and _short(row[0])):
                 raise ValueError("bad failure times")
             engine.failure_times[row[0]] = (self._seconds(row[1]), self._seconds(row[2]))
 

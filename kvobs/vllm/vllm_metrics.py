@@ -29,7 +29,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvobs.codes import CAUSES, REASONS
 from kvobs.metric_catalogue import METRIC, ON_VLLM, VLLM_PREFIX
 from kvobs.options import Options
 from kvobs.vllm import compat
@@ -40,12 +39,9 @@ if TYPE_CHECKING:  # the API server imports this module for metric_definitions: 
 logger = logging.getLogger("kvobs")
 
 PREFIX = VLLM_PREFIX + "kvobs_"
-EVICTED, LOAD_FAILURES, NEAR_MISSES = (VLLM_PREFIX + name for name in ON_VLLM)
-_VALUES: dict[str, tuple[str, ...]] = {"reason": REASONS, "cause": CAUSES}
-
+ON_VLLM_METRICS = tuple(METRIC[name] for name in ON_VLLM)
 COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = tuple(
-    (VLLM_PREFIX + metric.name, label, metric.help, _VALUES[label])
-    for metric in (METRIC[name] for name in ON_VLLM) for (label,) in [metric.labels]
+    (VLLM_PREFIX + metric.name, metric.labels[0], metric.help, metric.values) for metric in ON_VLLM_METRICS
 )
 """(name as declared, its label, help text, every label value): the catalogue's (kvobs/metric_catalogue.py)."""
 
@@ -106,10 +102,9 @@ class StatsTap:
         return stats
 
     def totals(self) -> dict[str, dict[str, int]]:
-        """kvobs's counters now, by declared name and label value."""
-        observer = self._observer
-        return {EVICTED: dict(observer.evicted), LOAD_FAILURES: dict(observer.failures),
-                NEAR_MISSES: dict(observer.near_misses)}
+        """kvobs's counters now, by declared name and label value (the observer's, by the catalogue's totals key)."""
+        counts = self._observer.totals()
+        return {VLLM_PREFIX + metric.name: counts[metric.totals] for metric in ON_VLLM_METRICS}
 
     def increments(self) -> list[tuple[str, str, int]]:
         """(name, label value, increment) since the last call; remembered as reported."""

@@ -3,10 +3,13 @@
 Used alike by the sidecar (``kvobs.sidecar``: ingest, and its checkpoint reader for the fields a
 checkpoint shares with the journal), by ``kvobs explain`` and by tests. Everything read from disk
 is validated here, field by field (the checks are :mod:`kvobs.wire.format`'s): a line or a report
-that does not fit (wrong type, non-finite or out-of-range number, inconsistent columns, a label
-value outside its set) is ``None`` to its reader, which skips and counts it; nothing malformed
-reaches a metric, a checkpoint or a response. A line is read by its fields, never by the order of
-its keys.
+that does not fit (wrong type, non-finite or out-of-range number, inconsistent columns) is ``None``
+to its reader, which skips and counts it; nothing malformed reaches a metric, a checkpoint or a
+response. A line is read by its fields, never by the order of its keys.
+
+What a newer writer may add is not damage: a label value, a totals map, a field or a record kind
+this reader does not know is kept where it can be (label values: as their own series) and named in
+the record's ``unknown`` (docs/design.md, "Wire compatibility"); the rest of the line is read.
 
 Pure: stdlib only (the sidecar must load neither numpy nor vLLM; a test checks the modules a fresh
 import loads).
@@ -29,21 +32,24 @@ from typing import Any, NamedTuple
 
 from kvobs.codes import CAUSES, PATHS, REASONS, unpack_flags
 from kvobs.wire.format import (
+    EXTENSION,
     HEAD_FIELDS,
     KEY_REF_BYTES,
+    KINDS,
     MAX_BATCHES_PER_LINE,
     MAX_DETAIL,
     MAX_LABEL,
+    MAX_LABEL_VALUES,
     MAX_LINE_BYTES,
     MAX_REPORT_BYTES,
     MAX_REQ_ID,
     MAX_SECONDS,
     MAX_SHORT_LABEL,
-    NOTE_KINDS,
     OBSERVING_REASONS,
+    OTHER,
+    RECORD_FIELDS,
     REPORT_ID,
     REPORT_SUFFIX,
-    TOTAL_KEYS,
     TOTAL_LABELS,
     Ages,
     Hello,
@@ -51,6 +57,7 @@ from kvobs.wire.format import (
     Record,
     Removals,
     Totals,
+    Unknown,
     Writer,
     counter_map,
     fit_model_name,
@@ -61,6 +68,7 @@ from kvobs.wire.format import (
     is_hex_id,
     is_label,
     is_seconds,
+    unknown_item,
 )
 from kvobs.wire.histogram import Histogram
 
@@ -109,19 +117,63 @@ def decode_hello(writer: Writer, time: Any, fields: Mapping[str, Any]) -> Hello 
     reason, detail = fields.get("reason", "ok"), fields.get("detail", "")
     if not all(isinstance(v, str) for v in texts.values()) or not is_count(size):
         return None
-    if not isinstance(observing, bool) or reason not in OBSERVING_REASONS or not isinstance(detail, str):
+    if not isinstance(observing, bool) or not is_label(reason, MAX_SHORT_LABEL) or not isinstance(detail, str):
         return None
+    unknown = () if reason in OBSERVING_REASONS else (unknown_item("label_value", f"observing={reason}"),)
     texts = {k: fit_text(v, MAX_LABEL, k) for k, v in texts.items()}
     return Hello(writer, float(time), texts["version"], texts["vllm_version"], int(size), texts["hot_path"],
-                 observing, reason, detail[:MAX_DETAIL])
+                 observing, reason, detail[:MAX_DETAIL], unknown)
 
 
 def decode_counters(name: str, value: Any) -> dict[str, float] | None:
     """One of a totals record's counter maps (``name`` in ``TOTAL_KEYS``), or None if it does not fit."""
-    return counter_map(value, TOTAL_LABELS[name]) if name in TOTAL_LABELS else None
+    return counter_map(value) if name in TOTAL_LABELS else None
+
+
+def unknown_labels(counters: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The label values of ``counters`` (totals maps) this reader does not know, as unknown items."""
+    return [unknown_item("label_value", f"{name}={label}") for name, counts in counters.items()
+            for label in counts if label not in TOTAL_LABELS.get(name, ())]
+
+
+def _unknown_fields(kind: str, record: Mapping[str, Any]) -> list[str]:
+    known = RECORD_FIELDS[kind]
+    return [unknown_item("field", f"{kind}.{field}") for field in record if field not in known]
 
 
 # -- journal records ----------------------------------------------------------------------
+
+
+def _decode_totals(writer: Writer, time: float, record: Mapping[str, Any]) -> Totals | None:
+    """A ``totals`` line: every counter map this reader knows, plus the writer's :data:`EXTENSION`
+    (counts under label values older readers refuse); maps it does not know are named unknown."""
+    counters: dict[str, dict[str, float]] = {}
+    unknown: list[str] = []
+    extension = record.get(EXTENSION, {})
+    if not isinstance(extension, dict):
+        return None
+    for part in (record, extension):
+        for name, value in part.items():
+            if part is record and name not in TOTAL_LABELS:
+                continue
+            counts = counter_map(value)
+            if counts is None:
+                return None
+            if name not in TOTAL_LABELS:
+                unknown.append(unknown_item("counter", name))
+                continue
+            into = counters.setdefault(name, {})
+            for label, count in counts.items():
+                key = label if len(into) < len(TOTAL_LABELS[name]) + MAX_LABEL_VALUES or label in into else OTHER
+                into[key] = into.get(key, 0.0) + count
+    keys, window, seq = record.get("hist_keys", 0), record.get("hist_window", 0.0), record.get("q", 0)
+    if not is_count(keys) or not is_seconds(window) or not is_count(seq):
+        return None
+    unknown += unknown_labels(counters)
+    for name in record:
+        if name not in RECORD_FIELDS["totals"]:  # a map: a counter a newer writer added
+            unknown.append(unknown_item("counter" if isinstance(record[name], dict) else "field", name))
+    return Totals(writer, time, counters, float(keys), float(window), int(seq), tuple(dict.fromkeys(unknown)))
 
 
 def decode_record(record: Any) -> Record | None:
@@ -135,32 +187,27 @@ def decode_record(record: Any) -> Record | None:
     if kind == "removals":
         return _decode_removals(writer, record)
     if kind == "ages":
-        ages = _column(record.get("ages"), "f")
-        if ages is None or record.get("r") not in REASONS or not all(_age_ok(a) for a in ages):
+        ages, reason = _column(record.get("ages"), "f"), record.get("r")
+        if ages is None or not is_label(reason, MAX_SHORT_LABEL) or not all(_age_ok(a) for a in ages):
             return None
-        return Ages(writer, record["r"], ages.tolist())
+        unknown = _unknown_fields("ages", record)
+        if reason not in REASONS:
+            unknown.append(unknown_item("label_value", f"reason={reason}"))
+        return Ages(writer, reason, ages.tolist(), tuple(unknown))
+    if kind not in KINDS:
+        if not is_label(kind, MAX_SHORT_LABEL):
+            return None
+        return Unknown(writer, kind, (unknown_item("record_kind", kind),))
     time = record.get("t")
     if not is_seconds(time):
         return None
     if kind == "totals":
-        counters: dict[str, dict[str, float]] = {}
-        for name in TOTAL_KEYS:
-            value = record.get(name)
-            if value is None:
-                continue
-            counts = decode_counters(name, value)
-            if counts is None:
-                return None
-            counters[name] = counts
-        keys, window, seq = record.get("hist_keys", 0), record.get("hist_window", 0.0), record.get("q", 0)
-        if not is_count(keys) or not is_seconds(window) or not is_count(seq):
-            return None
-        return Totals(writer, float(time), counters, float(keys), float(window), int(seq))
+        return _decode_totals(writer, float(time), record)
     if kind == "hello":
-        return decode_hello(writer, time, record)
-    if kind in NOTE_KINDS:
-        return Note(writer, kind, float(time), {k: v for k, v in record.items() if k not in HEAD_FIELDS})
-    return None
+        hello = decode_hello(writer, time, record)
+        fields = _unknown_fields("hello", record)
+        return hello if hello is None or not fields else hello._replace(unknown=(*hello.unknown, *fields))
+    return Note(writer, kind, float(time), {k: v for k, v in record.items() if k not in HEAD_FIELDS})
 
 
 def decode_line(line: bytes) -> Record | None:
@@ -209,14 +256,17 @@ def _decode_removals(writer: Writer, record: dict[str, Any]) -> Removals | None:
     if not all(is_seconds(t) for t in wall) or not all(_age_ok(a) for a in ages):
         return None
     reasons, paths = [], []
+    unknown = _unknown_fields("removals", record)
     for packed in flags:
         reason, path = unpack_flags(packed)
-        if reason >= len(REASONS) or path >= len(PATHS):
+        if reason >= len(REASONS):  # every code of the flags' reason bits is one: a bit flip, not a newer writer
             return None
         reasons.append(REASONS[reason])
-        paths.append(PATHS[path])
+        if path >= len(PATHS):  # a path a newer writer added: its batch is read, under "other"
+            unknown.append(unknown_item("label_value", f"path={path}"))
+        paths.append(PATHS[path] if path < len(PATHS) else OTHER)
     return Removals(writer, int(first), wall, reasons, paths, counts.tolist(), reqs, listed.tolist(), key_bytes,
-                    ages.tolist())
+                    ages.tolist(), tuple(dict.fromkeys(unknown)))
 
 
 # -- reading journal files ----------------------------------------------------------------
@@ -301,6 +351,8 @@ class Report(NamedTuple):
     summary: Summary
     data: dict[str, Any]
     trace_id: str | None = None  # the failure span's, when it was sampled
+    unknown: tuple[str, ...] = ()
+    """Causes this reader does not know (a newer engine's), as unknown items: kept and exported."""
 
 
 def _summary(raw: Any) -> Summary | None:
@@ -308,7 +360,7 @@ def _summary(raw: Any) -> Summary | None:
         return None
     counts: list[tuple[str, str, int]] = []
     for row in raw["counts"]:
-        if not (isinstance(row, list) and len(row) == 3 and row[0] in CAUSES and is_count(row[2])
+        if not (isinstance(row, list) and len(row) == 3 and is_label(row[0], MAX_SHORT_LABEL) and is_count(row[2])
                 and isinstance(row[1], int) and not isinstance(row[1], bool) and 0 <= row[1] < 2**32):
             return None
         counts.append((row[0], str(row[1]), int(row[2])))
@@ -331,7 +383,7 @@ def _summary_of_listed(missing: Any) -> Summary | None:
         if not isinstance(key, dict):
             return None
         cause, group, age = key.get("cause"), key.get("group"), key.get("seconds_since_eviction")
-        if cause not in CAUSES or not is_count(group) or not (age is None or is_seconds(age)):
+        if not is_label(cause, MAX_SHORT_LABEL) or not is_count(group) or not (age is None or is_seconds(age)):
             return None
         counts[(cause, str(int(group)))] += 1
         if age is not None:
@@ -345,7 +397,9 @@ def decode_report(name: str, data: Any) -> Report | None:
         return None
     engine, when, cause = data.get("engine"), data.get("time"), data.get("cause")
     model = data.get("model_name", "")
-    if not is_engine_label(engine) or not is_seconds(when) or cause not in CAUSES or not isinstance(model, str):
+    if not is_engine_label(engine) or not is_seconds(when) or not isinstance(model, str):
+        return None
+    if not is_label(cause, MAX_SHORT_LABEL):
         return None
     model = fit_model_name(model)
     for name_ in ("history_keys", "num_keys", "num_missing"):
@@ -366,7 +420,9 @@ def decode_report(name: str, data: Any) -> Report | None:
         age = key.get("seconds_since_eviction") if isinstance(key, dict) else "bad"
         if not (age is None or is_seconds(age)):
             return None
-    return Report(name, engine, model, float(when), cause, summary, data, trace_id)
+    causes = dict.fromkeys([cause, *(row[0] for row in summary.counts)])
+    unknown = tuple(unknown_item("label_value", f"cause={c}") for c in causes if c not in CAUSES)
+    return Report(name, engine, model, float(when), cause, summary, data, trace_id, unknown)
 
 
 def read_report(path: Path) -> Report:

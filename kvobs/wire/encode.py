@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from kvobs.codes import BUCKETS, REASONS, unpack_flags
 from kvobs.wire.format import (
     AGES_PER_LINE,
+    EXTENSION,
     FORMAT_VERSION,
+    FROZEN_READER_LABELS,
     KEY_REF_BYTES,
     KEYS_LISTED,
     MAX_BATCHES_PER_LINE,
@@ -29,7 +31,6 @@ from kvobs.wire.format import (
     MAX_REPORT_KEYS,
     MAX_REQ_ID,
     NOTE_KINDS,
-    TOTAL_KEYS,
     Writer,
     fit_req_id,
     fit_text,
@@ -69,13 +70,24 @@ def encode_hello(writer: Writer, time: float, *, version: str, vllm_version: str
 
 def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[str, int]], *,
                   history_keys: int, history_window_s: float, seq: int) -> str:
-    """``seq``: this writer's count of totals lines so far (``Totals.seq``). Zero counts are left out:
-    a reader takes a missing label as 0 (the sidecar pre-initialises every value), and a sidecar older
-    than the engine then reads every line until a label value it does not know counts something (a
-    reason such as ``deferred_release`` exists only on vLLM 0.34's tiering; docs/design.md)."""
-    return _dumps({**_head("totals", writer), "t": time, "q": seq,
-                   **{k: {label: n for label, n in counters.get(k, {}).items() if n} for k in TOTAL_KEYS},
-                   "hist_keys": history_keys, "hist_window": history_window_s})
+    """``seq``: this writer's count of totals lines so far (``Totals.seq``).
+
+    Written so that every reader since format 2 keeps reading (docs/design.md, "Wire compatibility"):
+    zero counts are left out (a reader takes a missing label as 0), and a count under a label value
+    kvobs 0.1.0's reader would refuse the line for goes under :data:`EXTENSION`, which that reader
+    ignores and today's adds in. A totals map that reader does not know at all is written as it is:
+    it ignores it.
+    """
+    line: dict[str, Any] = {**_head("totals", writer), "t": time, "q": seq}
+    extension: dict[str, dict[str, int]] = {}
+    for name, counts in counters.items():
+        frozen = FROZEN_READER_LABELS.get(name)
+        line[name] = {label: n for label, n in counts.items() if n and (frozen is None or label in frozen)}
+        if frozen is not None and (newer := {label: n for label, n in counts.items() if n and label not in frozen}):
+            extension[name] = newer
+    if extension:
+        line[EXTENSION] = extension
+    return _dumps({**line, "hist_keys": history_keys, "hist_window": history_window_s})
 
 
 def encode_note(writer: Writer, kind: str, time: float, **fields: Any) -> str:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, SURVIVE_COUNTS
+from kvobs.metric_catalogue import TOTALS
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -82,15 +82,47 @@ JOURNAL_SUFFIX = ".jsonl"
 REPORT_SUFFIX = ".json"
 
 KINDS = ("hello", "totals", "removals", "ages", "near_miss", "failure")
-"""The journal's record kinds (a line's ``k``)."""
+"""The journal's record kinds (a line's ``k``). A reader skips a line of another kind (a newer writer's),
+counting it as unknown, not as corrupt."""
 NOTE_KINDS = ("near_miss", "failure")
 HEAD_FIELDS = ("k", "e", "pid", "run", "m")
 """The fields every journal line starts with: kind, engine label, pid, writer run, model_name (if known)."""
-TOTAL_KEYS = ("evicted", "batches", "near", "failures", "errors", "dropped", "survive")
-TOTAL_LABELS: dict[str, Sequence[str] | None] = {
-    "evicted": REASONS, "batches": REASONS, "near": REASONS, "failures": CAUSES, "errors": STAGES,
-    "dropped": DROP_STAGES, "survive": SURVIVE_COUNTS,
+TOTAL_KEYS: tuple[str, ...] = tuple(TOTALS)
+"""The counter maps of a ``totals`` line: kvobs/metric_catalogue.py's totals keys."""
+TOTAL_LABELS: dict[str, tuple[str, ...]] = TOTALS
+"""The label values each totals map starts with (its metric's ``values``, or its counters' parts)."""
+EXTENSION = "ext"
+"""A ``totals`` line's map of counts under label values the readers of format 2 as of kvobs 0.1.0
+refuse (:data:`FROZEN_READER_LABELS`): ``{totals key: {label value: count}}``. Those readers ignore a
+field they do not know, so they keep reading every other count; today's readers add it in."""
+FROZEN_READER_LABELS: dict[str, frozenset[str]] = {
+    "evicted": frozenset(("capacity", "store_failed", "reset", "deferred_release")),
+    "batches": frozenset(("capacity", "store_failed", "reset", "deferred_release")),
+    "near": frozenset(("capacity", "store_failed", "reset", "deferred_release")),
+    "failures": frozenset(("evicted_after_lookup", "reset_after_lookup", "store_failed_after_lookup",
+                           "coverage_mismatch", "store_in_flight", "unknown")),
+    "errors": frozenset(("record.removal", "record.lookup", "record.load", "record.finish", "record.schedule_end",
+                         "diagnosis", "verdicts", "journal", "report", "tracing", "sink", "shutdown", "hook",
+                         "survive")),
+    "dropped": frozenset(("journal", "verdicts", "ingest")),
+    "survive": frozenset(("loads", "tokens", "alarms")),
 }
+"""History, not a list to keep in step: the label values kvobs 0.1.0's reader accepts in each totals map
+(it refuses a whole line over any other). Frozen for good: a writer puts every other value under
+:data:`EXTENSION` (docs/design.md, "Wire compatibility"; tests/unit/test_wire_compat.py)."""
+MAX_LABEL_VALUES = 64
+"""Label values a reader keeps per totals map (a line's and an engine's); the rest are summed under
+:data:`OTHER`, so a writer cannot grow a sidecar's series without bound."""
+OTHER = "other"
+RECORD_FIELDS: dict[str, tuple[str, ...]] = {
+    "hello": (*HEAD_FIELDS, "t", "format", "version", "vllm_version", "history_size", "hot_path", "observing",
+              "reason", "detail"),
+    "totals": (*HEAD_FIELDS, "t", "q", *TOTAL_KEYS, EXTENSION, "hist_keys", "hist_window"),
+    "removals": (*HEAD_FIELDS, "s", "n", "to", "t", "f", "c", "l", "req", "keys", "ages"),
+    "ages": (*HEAD_FIELDS, "r", "ages"),
+}
+"""The fields of each kind this reader knows (notes carry free fields). A reader keeps a line with
+others (a newer writer's), counting each unknown field once (docs/design.md, "Wire compatibility")."""
 
 
 OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
@@ -271,16 +303,20 @@ def fit_req_id(value: str | None) -> str | None:
     return value if value is None else fit_text(value, MAX_REQ_ID, "request id")
 
 
-def counter_map(value: Any, labels: Sequence[str] | None = None) -> dict[str, float] | None:
-    """A ``{label: count}`` map of a totals record (labels of at most ``MAX_SHORT_LABEL`` characters, within
-    ``labels`` when given), or None if any entry does not fit."""
+def counter_map(value: Any) -> dict[str, float] | None:
+    """A ``{label: count}`` map of a totals record, or None if an entry is not a short label and a count.
+
+    Label values it does not know are kept (a newer engine's): the caller tells them apart. Past
+    :data:`MAX_LABEL_VALUES` values the rest are summed under :data:`OTHER`.
+    """
     if not isinstance(value, dict):
         return None
     out: dict[str, float] = {}
     for label, count in value.items():
-        if not is_label(label, MAX_SHORT_LABEL) or not is_count(count) or (labels is not None and label not in labels):
+        if not is_label(label, MAX_SHORT_LABEL) or not is_count(count):
             return None
-        out[label] = float(count)
+        key = label if len(out) < MAX_LABEL_VALUES or label in out else OTHER
+        out[key] = out.get(key, 0.0) + float(count)
     return out
 
 
@@ -318,6 +354,8 @@ class Hello(NamedTuple):
     observing: bool
     reason: str  # why not, when not observing (kvobs.wire.OBSERVING_REASONS)
     detail: str = ""
+    unknown: tuple[str, ...] = ()
+    """What of the line this reader does not know (:func:`unknown_item`), kept or skipped, never refused."""
 
 
 class Totals(NamedTuple):
@@ -329,6 +367,7 @@ class Totals(NamedTuple):
     seq: int = 0
     """The writer's sequence number of this totals line (0 from writers before it had one): a reader
     keeps the highest, so a line read late (another file, a backlog) never replaces a newer one."""
+    unknown: tuple[str, ...] = ()
 
     def newer_than(self, other: Totals) -> bool:
         """Whether these totals were written after ``other`` (same writer): by sequence, then time."""
@@ -348,6 +387,7 @@ class Removals(NamedTuple):
     listed: list[int]
     keys: bytes  # KEY_REF_BYTES per listed key
     ages: list[float]  # per listed key; NaN where unknown
+    unknown: tuple[str, ...] = ()
 
     def batches(self) -> Iterator[tuple[int, float, str, str, str | None, int, list[bytes], list[float]]]:
         """(serial, time, reason, path, req_id, keys removed, listed key refs, their ages) per batch."""
@@ -365,6 +405,7 @@ class Ages(NamedTuple):
     writer: Writer
     reason: str
     ages: list[float]
+    unknown: tuple[str, ...] = ()
 
 
 class Note(NamedTuple):
@@ -374,6 +415,21 @@ class Note(NamedTuple):
     kind: str
     time: float
     fields: dict[str, Any]
+    unknown: tuple[str, ...] = ()
 
 
-Record = Hello | Totals | Removals | Ages | Note
+class Unknown(NamedTuple):
+    """A line of a kind this reader does not know (a newer writer's): skipped, and counted as such."""
+
+    writer: Writer
+    kind: str
+    unknown: tuple[str, ...] = ()
+
+
+def unknown_item(what: str, name: str) -> str:
+    """How a reader names what it does not know: ``<what>:<name>`` (``what`` in
+    kvobs.metric_catalogue.UNKNOWN_WIRE; ``name`` fitted to a short label)."""
+    return f"{what}:{fit_text(name, MAX_SHORT_LABEL, 'unknown wire item')}"
+
+
+Record = Hello | Totals | Removals | Ages | Note | Unknown

@@ -117,7 +117,7 @@ def test_journal_lines_are_read_by_their_fields_not_the_order_of_their_keys(tmp_
     good = json.loads(line)
     reordered = dict(reversed(list(good.items())))
     assert next(iter(reordered)) != "k" and list(reordered)[-1] == "k"
-    for damaged in (good | {"t": "soon"}, good | {"to": 1e300}, good | {"k": "removal"}, good | {"pid": -1}):
+    for damaged in (good | {"t": "soon"}, good | {"to": 1e300}, good | {"k": ["removals"]}, good | {"pid": -1}):
         for record in (damaged, dict(reversed(list(damaged.items())))):
             assert decode_line(json.dumps(record).encode()) is None
     assert decode_line(json.dumps(reordered).encode()) == decode_line(line.encode())
