@@ -33,16 +33,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvobs.files import private_dir, write_all, write_durably
-from kvobs.hot_path_loader import HOT_PATH, NearMiss, RemovalRun
-from kvobs.observer import FailureEvent, Sink
+from kvobs.hot_path_loader import HOT_PATH, RemovalRun
+from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink
 from kvobs.options import Options
 from kvobs.wire.decode import report_files
-from kvobs.wire.encode import bounded_report, encode_hello, encode_note, encode_removals, encode_totals, failure_report
+from kvobs.wire.encode import bounded_report, encode_hello, encode_removals, encode_totals, failure_report
 from kvobs.wire.format import (
     FAILURES_DIR,
     JOURNAL_DIR,
@@ -67,7 +67,6 @@ REPORT_BYTES = 256 * 2**10
 """A failure report is cut to this size (its per-key list first): the disk bound counts on it."""
 CHECKPOINT_BYTES = 2**20
 """Room for the sidecar's checkpoint in the same directory (a few KiB per engine)."""
-FAILURE_FLUSH_TIMEOUT_S = 2.0
 
 def disk_bound(options: Options, engines: int = 1) -> int:
     """The most bytes a kvobs directory holds for ``engines`` engines (each restarting any number
@@ -293,9 +292,6 @@ class JournalSink(Sink):
         """A drained run of batches, queued as one item: encoded on the writer thread."""
         self._enqueue(("removals", run), len(run.reqs))
 
-    def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
-        self._enqueue(("line", encode_note(self.writer, "near_miss", time.time(), r=reason, n=len(near_misses))))
-
     def on_failure(self, event: FailureEvent) -> None:
         """Durable report (naming the failure's trace, when the event carries one), then a bounded
         synchronous drain of the journal."""
@@ -303,11 +299,10 @@ class JournalSink(Sink):
         name = self.files.report_name(report)
         try:
             self.files.write_report(name, report)
-            self._enqueue(("line", encode_note(self.writer, "failure", time.time(), file=name, cause=report["cause"])))
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.observer.internal_error("report", fault)
         try:
-            self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True)
+            self.flush(timeout=event.remaining(), durable=True)
         except Exception as fault:
             self.observer.internal_error("journal", fault)
 
@@ -373,10 +368,10 @@ class JournalSink(Sink):
     def close(self) -> None:
         """Flush and close, bounded: a writer stuck in a hung write must not hang the engine's shutdown."""
         self._closed.set()
-        self._thread.join(timeout=FAILURE_FLUSH_TIMEOUT_S)
-        if not self.flush(timeout=FAILURE_FLUSH_TIMEOUT_S, durable=True):
-            raise TimeoutError(f"journal writer stuck for over {FAILURE_FLUSH_TIMEOUT_S}s; not flushed at close")
-        if not self._write_lock.acquire(timeout=FAILURE_FLUSH_TIMEOUT_S):
+        self._thread.join(timeout=SHUTDOWN_WAIT_S)
+        if not self.flush(timeout=SHUTDOWN_WAIT_S, durable=True):
+            raise TimeoutError(f"journal writer stuck for over {SHUTDOWN_WAIT_S}s; not flushed at close")
+        if not self._write_lock.acquire(timeout=SHUTDOWN_WAIT_S):
             raise TimeoutError("journal writer stuck; file left open at close")
         try:
             self.files.close()

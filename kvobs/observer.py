@@ -26,6 +26,13 @@ from kvobs.survive import RecomputeLedger
 logger = logging.getLogger("kvobs")
 
 STATS_EVERY_S = 1.0
+FAILURE_WAIT_S = 2.0
+"""How long a failing load's thread waits for every sink together (the report, the journal's drain, the
+span's export): one deadline for all of them (:attr:`FailureEvent.deadline`), since the engine is about
+to die and the waits must not add up."""
+SHUTDOWN_WAIT_S = 2.0
+"""How long a sink's ``close`` waits for anything of its own (a writer thread, an exporter) at an
+engine's shutdown, so that a stuck one never hangs it."""
 POLL_THREAD_NAME = "vllm_offload_tier_poll"
 """vLLM's tier-poll thread: removals there have no tapped call above them (path ``poll_thread``)."""
 
@@ -39,6 +46,17 @@ class Unloadable(NamedTuple):
     state: str  # kvobs.diagnosis.MISSING or NOT_READY
 
 
+class Deadline:
+    """A moment on the monotonic clock that several waits share."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        """Seconds left (0 once it passed)."""
+        return max(0.0, self.at - time.monotonic())
+
+
 class FailureEvent(NamedTuple):
     """One failed load, as every sink receives it (the same object for all)."""
 
@@ -48,6 +66,13 @@ class FailureEvent(NamedTuple):
     trace: tuple[str, str] | None = None
     """(trace_id, span_id) in hex of the failure's span when one is sampled (a sink's
     :meth:`Sink.start_failure` started it), else None."""
+    deadline: Deadline | None = None
+    """When every sink must be done with this failure (``FAILURE_WAIT_S`` from its start): a sink
+    waits at most ``deadline.remaining()``."""
+
+    def remaining(self) -> float:
+        """Seconds this failure's sinks have left."""
+        return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
 
 
 class Sink:
@@ -70,9 +95,9 @@ class Sink:
     def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
         """Promised chunks were removed before their load asked for them."""
 
-    def start_failure(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
-        """A load failed (first round, bounded): the (trace_id, span_id) of the trace this sink starts
-        for it, if it starts one, else None."""
+    def start_failure(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> tuple[str, str] | None:
+        """A load failed (first round, done by ``deadline``): the (trace_id, span_id) of the trace this
+        sink starts for it, if it starts one, else None."""
         return None
 
     def on_failure(self, event: FailureEvent) -> None:
@@ -345,15 +370,16 @@ class Observer:
         this returns. First every sink's :meth:`Sink.start_failure` (the trace's ids: the first
         sink to give them), then every sink's :meth:`Sink.on_failure` with the one event; it."""
         trace: tuple[str, str] | None = None
+        deadline = Deadline(FAILURE_WAIT_S)
         for sink in self._sinks:
             try:
-                ids = sink.start_failure(diagnosis, exc)
+                ids = sink.start_failure(diagnosis, exc, deadline)
             except Exception as fault:  # a sink must never break vLLM
                 self.internal_error(sink.stage, fault)
                 continue
             if trace is None and ids is not None:
                 trace = ids
-        event = FailureEvent(diagnosis, exc, trace)
+        event = FailureEvent(diagnosis, exc, trace, deadline)
         self._each_sink(lambda s: s.on_failure(event))
         return event
 

@@ -2,12 +2,12 @@
 
 The span carries the standard ``exception`` event and a ``kv_offload.missing_chunks``
 event with the structured facts. It is ended and flushed before the exception
-leaves kvobs, because the engine is about to die. The bound (``FLUSH_TIMEOUT_MS``)
-is kvobs's own: the SDK's ``force_flush(timeout)`` exports in the calling thread
-and waits out the exporter's own timeout and retries (measured: ~8 s with the
-OTLP endpoint down, 10 s with one that never answers), and a ``SimpleSpanProcessor``
-exports inside ``span.end()``. So the span is emitted on a short-lived helper
-thread that the failing load waits for at most ``FLUSH_TIMEOUT_MS``; a span still
+leaves kvobs, because the engine is about to die. The bound is kvobs's own, the failure's
+deadline every sink shares (``kvobs.observer.FAILURE_WAIT_S``): the SDK's
+``force_flush(timeout)`` exports in the calling thread and waits out the exporter's own
+timeout and retries (measured: ~8 s with the OTLP endpoint down, 10 s with one that never
+answers), and a ``SimpleSpanProcessor`` exports inside ``span.end()``. So the span is emitted on a short-lived helper
+thread that the failing load waits for until that deadline; a span still
 exporting after that is left to finish in the background (and the next failure's
 span is skipped while it does, so threads stay bounded).
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +44,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvobs.diagnosis import Diagnosis
-from kvobs.observer import FailureEvent, Sink
+from kvobs.observer import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, FailureEvent, Sink
 
 logger = logging.getLogger("kvobs")
 
@@ -56,7 +55,6 @@ REQUEST_ID = "gen_ai.request.id"
 DEFAULT_SERVICE_NAME = "kvobs"
 EXPORTERS = ("otlp", "console")
 """The ``OTEL_TRACES_EXPORTER`` values kvobs builds (and ``none``)."""
-FLUSH_TIMEOUT_MS = 2_000
 MAX_SPAN_KEYS = 1_000
 """Keys listed per array attribute: a load of 100k keys would make a span of megabytes, over what
 OTLP collectors accept (gRPC: 4 MiB), and the span would be lost. The rest are counted."""
@@ -157,18 +155,18 @@ class _Emission:
     """One failure's span, emitted on a helper thread that starts, ends and flushes it by itself;
     ``started`` is set once the span's ids are known (or the attempt is over)."""
 
-    def __init__(self, sink: TracingSink, diagnosis: Diagnosis, exc: BaseException) -> None:
+    def __init__(self, sink: TracingSink, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> None:
         self.sink = sink
         self.diagnosis = diagnosis
         self.exc = exc
-        self.deadline = time.monotonic() + FLUSH_TIMEOUT_MS / 1000
+        self.deadline = deadline
         self.started = threading.Event()
         self.ids: tuple[str, str] | None = None  # (trace_id, span_id) of a sampled span
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, name="kvobs-failure-span", daemon=True)
 
     def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
+        return self.deadline.remaining()
 
     def _run(self) -> None:
         try:
@@ -203,7 +201,7 @@ class TracingSink(Sink):
                 return self._from_env
         return provider
 
-    def _begin(self, diagnosis: Diagnosis, exc: BaseException) -> _Emission:
+    def _begin(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> _Emission:
         """This failure's emission, started on first call (by start_failure, or by on_failure)."""
         current = self._current
         if current is not None:
@@ -213,17 +211,17 @@ class TracingSink(Sink):
                 self._straggler = current.thread
         if self._straggler is not None and self._straggler.is_alive():
             raise SpanExportTimeout("the previous failure span is still exporting; this one is skipped")
-        emission = _Emission(self, diagnosis, exc)
+        emission = _Emission(self, diagnosis, exc, deadline)
         self._current = emission
         emission.thread.start()
         return emission
 
-    def start_failure(self, diagnosis: Diagnosis, exc: BaseException) -> tuple[str, str] | None:
+    def start_failure(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> tuple[str, str] | None:
         """(trace_id, span_id) in hex of this failure's span when it is sampled, else None: starts the
-        span and waits for its start within the span's own bound. A fault here is met again, and
+        span and waits for its start until the failure's deadline. A fault here is met again, and
         counted once, in :meth:`on_failure`."""
         try:
-            emission = self._begin(diagnosis, exc)
+            emission = self._begin(diagnosis, exc, deadline)
         except Exception:
             return None
         emission.started.wait(emission.remaining())
@@ -231,13 +229,14 @@ class TracingSink(Sink):
 
     def on_failure(self, event: FailureEvent) -> None:
         """Emit and flush the span on a helper thread (begun by :meth:`start_failure`, else now);
-        wait at most FLUSH_TIMEOUT_MS from its start."""
-        emission = self._begin(event.diagnosis, event.exc)
+        wait until the failure's deadline, which the other sinks share."""
+        emission = self._begin(event.diagnosis, event.exc, event.deadline or Deadline(FAILURE_WAIT_S))
         self._current = None
         emission.thread.join(emission.remaining())
         if emission.thread.is_alive():
             self._straggler = emission.thread
-            raise SpanExportTimeout(f"failure span not exported within {FLUSH_TIMEOUT_MS} ms; left to finish")
+            raise SpanExportTimeout(f"failure span not exported by the failure's deadline ({FAILURE_WAIT_S} s "
+                                    "for every sink); left to finish")
         if emission.errors:
             raise emission.errors[0]
 
@@ -266,16 +265,16 @@ class TracingSink(Sink):
             span.end()
         flush = getattr(provider, "force_flush", None)
         if flush is not None:
-            flush(FLUSH_TIMEOUT_MS)
+            flush(int(emission.remaining() * 1000))
 
     def close(self) -> None:
-        """Shut down a provider kvobs built itself, waiting at most FLUSH_TIMEOUT_MS (an engine's shutdown)."""
+        """Shut down a provider kvobs built itself, waiting at most SHUTDOWN_WAIT_S (an engine's shutdown)."""
         if self._from_env is not None:
             worker = threading.Thread(target=self._from_env.shutdown, name="kvobs-tracer-shutdown", daemon=True)
             worker.start()
-            worker.join(FLUSH_TIMEOUT_MS / 1000)
+            worker.join(SHUTDOWN_WAIT_S)
             if worker.is_alive():
-                raise SpanExportTimeout(f"tracer provider shutdown did not finish within {FLUSH_TIMEOUT_MS} ms")
+                raise SpanExportTimeout(f"tracer provider shutdown did not finish within {SHUTDOWN_WAIT_S} s")
 
 
 def parent_context(trace_headers: Mapping[str, str] | None) -> Context:

@@ -30,7 +30,6 @@ from kvobs.wire.format import (
     MAX_LINE_BYTES,
     MAX_REPORT_KEYS,
     MAX_REQ_ID,
-    NOTE_KINDS,
     Writer,
     fit_req_id,
     fit_text,
@@ -88,11 +87,6 @@ def encode_totals(writer: Writer, time: float, counters: Mapping[str, Mapping[st
     if extension:
         line[EXTENSION] = extension
     return _dumps({**line, "hist_keys": history_keys, "hist_window": history_window_s})
-
-
-def encode_note(writer: Writer, kind: str, time: float, **fields: Any) -> str:
-    assert kind in NOTE_KINDS
-    return _dumps({**_head(kind, writer), "t": time, **fields})
 
 
 LINE_BUDGET = MAX_LINE_BYTES // 2

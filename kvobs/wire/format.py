@@ -14,7 +14,7 @@ process). Kinds (the ``k`` field; the order of a line's keys carries no meaning)
   prefix, its 4-byte group and its residency as float32, NaN where unknown); at most
   ``KEYS_LISTED`` keys are listed per batch, and ``ages`` lines carry the rest of a huge
   batch's residencies;
-* ``near_miss`` and ``failure``: notes for the sidecar's log and tests.
+* ``near_miss`` and ``failure``: notes kvobs 0.1.0 wrote (nothing read them; read and passed over).
 
 Failure reports: one JSON file each in ``<dir>/failures/``, named by :func:`report_name`.
 
