@@ -470,7 +470,7 @@ class Recorder:
         self,
         inner: Callable[..., Any],
         *,
-        on_failure: Callable[[AssertionError, Any, Any], None],
+        on_failure: Callable[[AssertionError, Any, Any], object],
         on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
     ) -> LoadTap:
         """``prepare_load(keys, req_context)``: ``on_near(req_id, Promises.redeemed(...))`` for near misses
@@ -478,6 +478,8 @@ class Recorder:
 
         ``on_failure(exc, keys, req_context)`` runs before the assertion propagates (it appends
         the explanation to the same exception object); the assertion then leaves unchanged otherwise.
+        What it returns decides: None, the assertion goes on (always, unless survive mode is on);
+        anything else is returned instead (survive mode's load source, kvobs/vllm/survive.py).
         """
         return LoadTap(self, inner, on_failure, on_near)
 
@@ -593,7 +595,7 @@ class LoadTap:
         self,
         rec: Recorder,
         inner: Callable[..., Any],
-        on_failure: Callable[[AssertionError, Any, Any], None],
+        on_failure: Callable[[AssertionError, Any, Any], object],
         on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
     ) -> None:
         self.rec = rec
@@ -606,11 +608,14 @@ class LoadTap:
             result = self.inner(keys, req_context)
         except AssertionError as exc:
             self.redeem(keys, req_context)  # before the diagnosis, which counts these near misses too
+            instead: object = None
             try:
-                self.on_failure(exc, keys, req_context)
+                instead = self.on_failure(exc, keys, req_context)
             except Exception as fault:
                 self.rec.on_error("diagnosis", fault)
-            raise
+            if instead is None:
+                raise
+            return instead  # survive mode's decision, made once, in the failure callback
         self.redeem(keys, req_context)
         return result
 

@@ -117,8 +117,7 @@ class ObservedOffloadingManager(OffloadingManager):
         # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
         survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
         put(self, "_kvobs_survival", survival)
-        if survival is not None:
-            taps["prepare_load"] = survival.load_through(taps["prepare_load"])
+        if survival is not None:  # prepare_load's decision comes back from _kvobs_load_failed
             taps["complete_load"] = survival.complete_through(taps["complete_load"])
         put(self, "_kvobs_taps", taps)
         for name, tap in taps.items():
@@ -213,15 +212,17 @@ class ObservedOffloadingManager(OffloadingManager):
 
     # -- the explanation ------------------------------------------------------------
 
-    def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> None:
+    def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> Any:
         """The load tap's callback on vLLM's assertion, after it redeemed the near misses: the
-        explanation (never raises)."""
+        explanation, and survive mode's decision: the load source to return instead of raising
+        (the padded one survive mode made), or None for the assertion to go on. Never raises."""
         observer = self._kvobs_observer
+        survival = self._kvobs_survival
         keys = list(keys)
+        recomputed = False
         try:
             vllm_message = str(exc)
             unloadable = self._kvobs_unloadable(list(keys), req_context, vllm_message)
-            survival = self._kvobs_survival
             recomputed = survival is not None and survival.try_survive(keys, unloadable, req_context, vllm_message)
             positions = [p for k in keys if (p := compat.key_position(req_context, k)) is not None]
             token_range = (min(positions), max(positions)) if positions else None
@@ -232,10 +233,11 @@ class ObservedOffloadingManager(OffloadingManager):
                 trace_headers=None if carried is None else carried.headers, recomputed=recomputed,
             )
             exc.args = (diagnosis.message, *exc.args[1:])
-        except Exception as fault:  # the original assertion still propagates
+        except Exception as fault:  # the original assertion still propagates (or survive's source returns)
             observer.internal_error("diagnosis", fault)
-            return
-        observer.publish_failure(diagnosis, exc)
+        else:
+            observer.publish_failure(diagnosis, exc)
+        return survival.take_source() if recomputed and survival is not None else None
 
     def _kvobs_unloadable(self, keys: Sequence[bytes], req_context: Any, vllm_message: str) -> list[Unloadable]:
         """Every key of the load that cannot be read, with its group, end token and state."""

@@ -3,8 +3,9 @@
 Opt-in (the ``survive`` option; README, "Survive instead of crash"). The manager's part
 (:class:`Survival`, installed by ``kvobs/vllm/manager.py``): vLLM's ``prepare_load`` asserted on
 the first chunk it cannot read, with the keys before it pinned; kvobs unpins them, pins and reads
-them again through vLLM's own ``prepare_load`` (the present prefix loads as usual), and returns
-that source padded with a filler slot for the rest, so the connector's load job keeps its shape.
+them again through vLLM's own ``prepare_load`` (the present prefix loads as usual), and the load
+tap returns that source padded with a filler slot for the rest (the manager's failure callback
+decides, once: the assertion is caught once), so the connector's load job keeps its shape.
 It remembers the keys it did not pin, so ``complete_load`` unpins only what was pinned.
 
 The connector's part (``kvobs/vllm/connector.py``, which arms it): with one KV cache group, the GPU
@@ -59,7 +60,7 @@ class Survival:
 
     def try_survive(self, keys: Sequence[Any], unloadable: Sequence[Unloadable], req_context: Any,
                     vllm_message: str) -> bool:
-        """After vLLM's assertion: make the padded source (kept for :meth:`load_through`); whether it did.
+        """After vLLM's assertion: make the padded source (kept for :meth:`take_source`); whether it did.
         Never raises: on anything unexpected vLLM's assertion goes on, as without survive mode."""
         if not self.armed:
             if not self._said_not_armed:
@@ -86,19 +87,11 @@ class Survival:
         self.recomputed_requests.add(req_id)
         return True
 
-    def load_through(self, load: Callable[..., Any]) -> Callable[..., Any]:
-        """``prepare_load`` that returns the padded source where :meth:`try_survive` made one."""
-
-        def prepare_load(keys: Collection[Any], req_context: Any) -> Any:
-            try:
-                return load(keys, req_context)
-            except AssertionError:
-                spec, self._spec = self._spec, None
-                if spec is None:
-                    raise
-                return spec
-
-        return prepare_load
+    def take_source(self) -> Any:
+        """The padded load source :meth:`try_survive` made, handed over once: what ``prepare_load`` returns
+        instead of raising (the manager's failure callback returns it to the load tap)."""
+        spec, self._spec = self._spec, None
+        return spec
 
     def complete_through(self, complete: Callable[..., Any]) -> Callable[..., Any]:
         """``complete_load`` without the keys survive mode did not pin."""
