@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvobs import message
 from kvobs.codes import CAUSE_OF_REASON, CAUSES
 from kvobs.history import Removal
 
@@ -148,29 +149,25 @@ def diagnose(failure: LoadFailure) -> Diagnosis:
 
 
 def format_message(diagnosis: Diagnosis) -> str:
-    """vLLM's text, then the fields of DESIGN.md's message, then the cause."""
+    """vLLM's text, then the fields of DESIGN.md's message (``kvobs.message``), then the cause."""
     failure = diagnosis.failure
     group = failure.failing_group
     if group is None and diagnosis.keys:
         group = diagnosis.keys[0].facts.group
     listed = [(k.facts.end_token, k.age_s) for k in diagnosis.keys[:MAX_LISTED_KEYS]]
     more = len(diagnosis.keys) - len(listed)
-    listed_text = repr(listed) + (f" (+{more} more)" if more > 0 else "")
-    token_range = (
-        f"{failure.end_token_range[0]}-{failure.end_token_range[1]}"
-        if failure.end_token_range is not None
-        else "unknown"
+    return message.render(
+        failure.vllm_message,
+        group=group,
+        req_id=failure.req_id,
+        missing=len(diagnosis.keys),
+        keys=failure.num_keys,
+        listed=listed,
+        more=more if more > 0 else None,
+        end_token_range=failure.end_token_range,
+        history_keys=failure.history_keys,
+        history_window_s=failure.history_window_s,
+        cause=diagnosis.cause,
+        evidence=diagnosis.keys[0].evidence if diagnosis.keys else "no missing key was identified",
+        causes=diagnosis.causes if len(diagnosis.causes) > 1 else None,
     )
-    first = diagnosis.keys[0].evidence if diagnosis.keys else "no missing key was identified"
-    text = (
-        f"{failure.vllm_message} (group={group}, req_id={failure.req_id!r}). "
-        f"{len(diagnosis.keys)} of {failure.num_keys} keys in this load are missing. "
-        f"(end_token, seconds since eviction) per missing key: {listed_text}; "
-        f"load end_token range: {token_range}; "
-        f"eviction history: {failure.history_keys} keys over {round(failure.history_window_s, 1)}s. "
-        f"cause: {diagnosis.cause} ({first})"
-    )
-    if len(diagnosis.causes) > 1:
-        per_cause = ", ".join(f"{c}={n}" for c, n in sorted(diagnosis.causes.items()))
-        text += f"; causes per key: {per_cause}"
-    return text

@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvobs import message
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
 from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
@@ -76,13 +77,14 @@ MAX_PLAUSIBLE_GROUP = 1024
 """A key whose last 4 bytes read as a larger group index is a bare block hash (no group suffix)."""
 
 _BYTES_LITERAL = r"b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\""
-_STR_LITERAL = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
 ASSERTION = re.compile(
     rf"(?P<noun>Block|Chunk) (?P<key>{_BYTES_LITERAL}|-?\d+|0x[0-9a-fA-F]+) "
     r"(?P<what>not found in (?:file )?cache|is not ready for reading)"
 )
-KVOBS_SUFFIX = re.compile(rf" \(group=(?P<group>-?\d+|None), req_id=(?P<req>{_STR_LITERAL}|None)\)")
-KVOBS_CAUSE = re.compile(r"cause: (?P<cause>[a-z_]+) \((?P<evidence>[^\n]*?)\)(?:;|$| causes per key)")
+KVOBS_SUFFIX = message.SUFFIX_RE
+"""kvobs's message right after vLLM's text: ``group``, ``req_id`` (compiled from ``kvobs.message``'s parts)."""
+KVOBS_CAUSE = message.CAUSE_RE
+"""kvobs's cause, searched for after the suffix, to the end of the line: ``cause``, ``evidence``, ``causes``."""
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 WORDING_HINTS = ("not found in", "not ready for reading")
 ENGINE = re.compile(r"EngineCore(?:_DP|_)?(?P<dp>\d+)?\b")
@@ -252,7 +254,7 @@ def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
     if suffix is None:
         return
     entry.kvobs_group = parse_integer(suffix["group"], 0, MAX_GROUP)  # None when "None" or out of range
-    entry.kvobs_req_id = _parse_str(suffix["req"])
+    entry.kvobs_req_id = _parse_str(suffix["req_id"])
     cause = KVOBS_CAUSE.search(line, suffix.end())
     if cause is not None and cause["cause"] in MEANING:
         entry.kvobs_cause, entry.kvobs_evidence = cause["cause"], cause["evidence"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -103,3 +104,37 @@ def test_a_breach_whose_details_aged_out_still_names_its_reason() -> None:
     d = diagnose(failure([facts(**{**broken(12, "reset"), "breaking_removal": None, "last_removal": None})]))
     assert d.cause == "reset_after_lookup"
     assert "reset removal after the lookup (its details are older than the history)" in d.keys[0].evidence
+
+
+def test_the_message_is_written_byte_for_byte_as_before() -> None:
+    """The whole text, as kvobs 0.1.0 wrote it (checks outside the tests read it): one key; twenty keys
+    (sixteen listed, an unknown range, quotes in the request id, several causes, evidence holding ``); ``);
+    no key identified. ``kvobs.message`` defines it now; these texts must not move."""
+    later = Removal(serial=20, time=100.4, reason="store_failed", path="complete_store", req_id="req-c")
+    one = diagnose(failure([facts(**broken(12, "capacity"))]))
+    assert one.message == (
+        "Chunk b'hh' not found in cache (group=5, req_id='req-a'). 1 of 1 keys in this load are missing. "
+        "(end_token, seconds since eviction) per missing key: [(1024, 0.0)]; load end_token range: 1024-1024; "
+        "eviction history: 1 keys over 0.0s. cause: evicted_after_lookup (lookup reported HIT 0.5s before the load; "
+        "capacity removal 0.5s after the lookup, path=lookup, req_id='req-b')"
+    )
+    first = facts(end_token=2000, verdict=LOOKUP, breach="reset", breaking_removal=None, last_removal=later)
+    others = [facts(end_token=i * 16, last_removal=removal(3, "capacity", 99.0) if i % 2 else None) for i in range(19)]
+    many = diagnose(replace(failure([first, *others], num_keys=40), end_token_range=None, history_keys=123456,
+                            history_window_s=3599.96, req_id='it\'s "quoted"', failing_group=2))
+    assert many.message == (
+        "Chunk b'hh' not found in cache (group=2, req_id='it\\'s \"quoted\"'). 20 of 40 keys in this load are "
+        "missing. (end_token, seconds since eviction) per missing key: [(2000, 0.1), (0, None), (16, 1.5), "
+        "(32, None), (48, 1.5), (64, None), (80, 1.5), (96, None), (112, 1.5), (128, None), (144, 1.5), (160, None), "
+        "(176, 1.5), (192, None), (208, 1.5), (224, None)] (+4 more); load end_token range: unknown; eviction "
+        "history: 123456 keys over 3600.0s. cause: reset_after_lookup (lookup reported HIT 0.5s before the load; "
+        "reset removal after the lookup (its details are older than the history); removed again since: "
+        "store_failed 0.1s ago, path=complete_store, req_id='req-c'); causes per key: coverage_mismatch=19, "
+        "reset_after_lookup=1"
+    )
+    none = diagnose(failure([], num_keys=3))
+    assert none.message == (
+        "Chunk b'hh' not found in cache (group=None, req_id='req-a'). 0 of 3 keys in this load are missing. "
+        "(end_token, seconds since eviction) per missing key: []; load end_token range: 1024-1024; "
+        "eviction history: 1 keys over 0.0s. cause: unknown (no missing key was identified)"
+    )
