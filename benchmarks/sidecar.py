@@ -55,7 +55,8 @@ class Engine:
     def __init__(self, directory: Path, index: int, seed: int) -> None:
         self.rng = random.Random(seed)
         self.observer = Observer(Options(history_size=65_536, engine=f"dp{index}"))
-        self.sink = JournalSink(directory, self.observer, SUPPORTED_VLLM[-1])  # a synthetic engine: the newest release
+        # A synthetic engine: the newest release.
+        self.sink = JournalSink(directory, self.observer.options, SUPPORTED_VLLM[-1])
         self.observer.add_sink(self.sink)
         self.keys_written = 0
 

@@ -35,11 +35,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvobs.files import private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
-from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink
+from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
 from kvobs.wire.decode import report_files
 from kvobs.wire.encode import bounded_report, encode_hello, encode_removals, encode_totals, failure_report
@@ -56,9 +56,6 @@ from kvobs.wire.format import (
     report_name,
     stem_of,
 )
-
-if TYPE_CHECKING:
-    from kvobs.observer import Observer
 
 FLUSH_EVERY_S = 0.25
 QUEUE_RECORDS = 65_536
@@ -252,15 +249,15 @@ class JournalSink(Sink):
     stage = "journal"
     needs_residency = True
 
-    def __init__(self, directory: str | os.PathLike[str], observer: Observer, vllm_version: str = "") -> None:
-        self.observer = observer
-        self.engine = observer.options.engine or "0"
-        self.files = JournalFiles(directory, self.engine, observer.options)
+    def __init__(self, directory: str | os.PathLike[str], options: Options, vllm_version: str = "") -> None:
+        self.engine = options.engine or "0"
+        self.files = JournalFiles(directory, self.engine, options)
         # Tells this writer's cumulative totals apart from any other's with the same engine and
         # pid: a restarted container reuses pids; two observed managers may share one process.
         self.run = os.urandom(6).hex()
         # Fitted to what the sidecar reads (a model path may be longer than a label it takes).
-        self.writer = Writer(self.engine, os.getpid(), self.run, fit_model_name(observer.options.model_name or ""))
+        self.writer = Writer(self.engine, os.getpid(), self.run, fit_model_name(options.model_name or ""))
+        self._snapshot: Snapshot | None = None  # the latest the observer pushed (its pump)
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each batch)
         self.dropped = 0
@@ -274,7 +271,7 @@ class JournalSink(Sink):
 
         self._enqueue(("line", encode_hello(
             self.writer, time.time(), version=__version__, vllm_version=vllm_version,
-            history_size=observer.options.history_size, hot_path=HOT_PATH,
+            history_size=options.history_size, hot_path=HOT_PATH,
         )))
         self._thread = threading.Thread(target=self._run, name="kvobs-journal", daemon=True)
         self._thread.start()
@@ -300,11 +297,11 @@ class JournalSink(Sink):
         try:
             self.files.write_report(name, report)
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
-            self.observer.internal_error("report", fault)
+            self.fault("report", fault)
         try:
             self.flush(timeout=event.remaining(), durable=True)
         except Exception as fault:
-            self.observer.internal_error("journal", fault)
+            self.fault("journal", fault)
 
     # -- writer ------------------------------------------------------------------------
 
@@ -314,27 +311,31 @@ class JournalSink(Sink):
             try:
                 self.flush()
             except Exception as exc:  # never kill the thread; counted
-                self.observer.internal_error("journal", exc)
+                self.fault("journal", exc)
             self.writer_cpu_s += time.thread_time() - started
 
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
     def _totals(self) -> str:
-        obs = self.observer
-        stats = obs.history_stats
-        counters = obs.totals()  # every engine counter of kvobs/metric_catalogue.py
-        counters["dropped"]["journal"] = self.dropped  # the one this sink counts
+        """The totals line of the latest snapshot, with the count this sink keeps itself (its drops)."""
+        snapshot = self._snapshot
+        counters = {} if snapshot is None else {key: dict(counts) for key, counts in snapshot.counters.items()}
+        counters.setdefault("dropped", {})["journal"] = self.dropped
         return encode_totals(
             self.writer, time.time(), counters,
-            history_keys=stats.keys, history_window_s=stats.window(time.monotonic()), seq=next(self._totals_seq),
+            history_keys=0 if snapshot is None else snapshot.history_keys,
+            history_window_s=0.0 if snapshot is None else snapshot.history_window_s, seq=next(self._totals_seq),
         )
 
     def flush(self, timeout: float = -1, durable: bool = False) -> bool:
         """Write out what is queued plus current totals; False if the lock was not had in time.
 
-        The observer's removal queue is drained first (skipped if another thread is
-        draining it), and the totals are read before the write lock is taken: a
-        writer holding the write lock never waits for the drain lock.
+        The observer's pump runs first (it folds the removal queue, skipped if another thread
+        is folding it, and pushes the snapshot the totals are made of), before the write lock
+        is taken: a writer holding the write lock never waits for the drain lock.
         """
-        self.observer.drain(block=False)
+        self.pump()
         totals = self._totals()
         if not self._write_lock.acquire(timeout=timeout):
             return False

@@ -75,6 +75,23 @@ class FailureEvent(NamedTuple):
         return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
 
 
+class Snapshot(NamedTuple):
+    """The engine's counters and its history's reach at one moment, as the observer pushes them to sinks."""
+
+    counters: dict[str, dict[str, int]]
+    """Every engine counter by totals key (kvobs/metric_catalogue.py): :meth:`Observer.totals`."""
+    history_keys: int
+    history_window_s: float
+
+
+def _no_pump() -> None:
+    """A sink's pump before an observer binds it: nothing to drain."""
+
+
+def _log_fault(stage: str, exc: BaseException) -> None:
+    logger.error("kvobs internal error in %s (a sink no observer has bound yet): %r", stage, exc)
+
+
 class Sink:
     """Receives what the observer records. Methods are no-ops; override what you need.
 
@@ -88,6 +105,21 @@ class Sink:
     """The ``stage`` label this sink's own faults are counted under (one of ``kvobs.codes.STAGES``)."""
     needs_residency: bool = False
     """Whether removal runs must carry each key's residency (costs the hot path a little)."""
+
+    pump: Callable[[], None] = staticmethod(_no_pump)
+    """Bound by :meth:`Observer.add_sink`: folds what the recorder queued (skipped when another thread
+    is folding) and pushes every sink a :class:`Snapshot`. A sink with a thread of its own (the
+    journal's writer) calls it to have the latest evidence pushed to it; it never reads the observer."""
+    fault: Callable[[str, BaseException], None] = staticmethod(_log_fault)
+    """Bound by :meth:`Observer.add_sink`: counts a fault of this sink's own thread (``stage``, the error)."""
+
+    def bind(self, pump: Callable[[], None], fault: Callable[[str, BaseException], None]) -> None:
+        """The observer's two calls a sink may make (see :attr:`pump`, :attr:`fault`)."""
+        self.pump = pump
+        self.fault = fault
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        """The counters and the history's reach now (each :attr:`pump`)."""
 
     def on_removals(self, run: RemovalRun) -> None:
         """Removal batches, in serial order, on the thread that drains the recorder's queue."""
@@ -151,10 +183,19 @@ class Observer:
         return self._sinks
 
     def add_sink(self, sink: Sink) -> None:
-        """Send everything recorded from now on to ``sink`` too."""
+        """Send everything recorded from now on to ``sink`` too (and bind its pump and fault calls)."""
         self.drain()  # what was queued before belongs to the sinks already there
+        sink.bind(self.pump, self.internal_error)
         self._sinks = (*self._sinks, sink)
         self.recorder.keep_residency = any(s.needs_residency for s in self._sinks)
+
+    def pump(self) -> None:
+        """Fold what is queued (skipped when another thread is folding) and push every sink a
+        :class:`Snapshot`: the one way evidence reaches sinks besides removals and failures."""
+        self.drain(block=False)
+        stats = self.history_stats
+        snapshot = Snapshot(self.totals(), stats.keys, stats.window(time.monotonic()))
+        self._each_sink(lambda s: s.on_snapshot(snapshot))
 
     # -- the evidence (drained first) ---------------------------------------
 

@@ -28,7 +28,7 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
         from kvobs.journal import JournalSink
 
         try:
-            observer.add_sink(JournalSink(options.dir, observer, compat.VLLM_VERSION))
+            observer.add_sink(JournalSink(options.dir, observer.options, compat.VLLM_VERSION))
         except OSError as exc:  # an unusable directory must not stop the engine: counted, logged, in-process only
             observer.internal_error("journal", exc)
     from kvobs.tracing import TracingSink
