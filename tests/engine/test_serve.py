@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
-from services import OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
-from test_traces import SPAN, attrs, received
 
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
 from kvobs.demo.engine import VllmServer, documents, offload_config
+from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
+from tests.support.services import SPAN, OtlpReceiver, Prometheus, Sidecar, attrs, http_get, received, wait_for
 
 COUNTERS = ("evicted_chunks", "load_failures", "hits_evicted_before_load")
 

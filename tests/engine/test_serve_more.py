@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
-from services import Sidecar, http_get, wait_for
-from test_logs_through_vllm import json_logging_config
 
 from kvobs.codes import PATHS
 from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
 from kvobs.demo.incidents import fs_tier
+from tests.support.engines import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
+from tests.support.services import Sidecar, http_get, wait_for
+from tests.support.vllm_logging import json_logging_config
 
-UNKNOWN_POLICY = {"eviction_policy": "WrappedLRUPolicy", "cache_policy_module_path": "changed_protocol"}
-"""A cache policy kvobs does not know (tests/integration/changed_protocol.py): kvobs must step aside."""
+UNKNOWN_POLICY = {"eviction_policy": "WrappedLRUPolicy", "cache_policy_module_path": "tests.support.changed_protocol"}
+"""A cache policy kvobs does not know (tests/support/changed_protocol.py): kvobs must step aside."""
 
 
 def test_kvobs_steps_aside_in_a_real_engine_which_serves_as_without_it(

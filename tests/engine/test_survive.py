@@ -13,11 +13,10 @@ import json
 import re
 from pathlib import Path
 
-from conftest import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
-from services import Sidecar, http_get, wait_for
-
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
 from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
+from tests.support.engines import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
+from tests.support.services import Sidecar, http_get, wait_for
 
 RECOMPUTED = ("loads", "tokens")
 HYBRID_PROMPTS = shared_prefix_workload(seed=3, documents_count=10, rounds=3)

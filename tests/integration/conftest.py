@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,54 +3,14 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import pytest
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
-from vllm_env import cpu_extra, create_manager, end_token, key, set_position, tiering_extra, token_range
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-import kvobs
 from kvobs.vllm import ObservedOffloadingManager, compat
-
-END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-MESSAGE = re.compile(
-    r"^Chunk b'.*' (?:not found in cache|is not ready for reading) "
-    r"\(group=(?P<group>\d+), req_id='(?P<req>[^']*)'\)\. (?P<missing>\d+) of (?P<total>\d+) keys in this load "
-    r"are missing\. \(end_token, seconds since eviction\) per missing key: (?P<listed>\[.*\]); "
-    r"load end_token range: (?P<range>\S+); eviction history: (?P<hist>\d+) keys over (?P<window>[\d.]+)s\. "
-    r"cause: (?P<cause>\w+) \((?P<evidence>.*)\)",
-    re.S,
-)
-
-
-def observed(managers: list, extra: dict[str, Any], **options: Any) -> ObservedOffloadingManager:
-    manager = kvobs.observe(create_manager(extra), **options)
-    managers.append(manager)
-    return manager
-
-
-def ctx(manager: OffloadingManager, req_id: str, positions: dict[bytes, int] | None = None) -> ReqContext:
-    context = ReqContext(req_id)
-    for k, position in (positions or {}).items():
-        set_position(context, k, position)
-    manager.on_new_request(context)
-    return context
-
-
-def store(manager: OffloadingManager, keys: list[bytes], context: ReqContext, complete: bool = True) -> None:
-    out = manager.prepare_store(keys, context)
-    assert out is not None
-    if complete:
-        manager.complete_store(keys, context)
-
-
-def failed_load(manager: ObservedOffloadingManager, keys: list[bytes], context: ReqContext) -> re.Match[str]:
-    with pytest.raises(AssertionError) as info:
-        manager.prepare_load(keys, context)
-    match = MESSAGE.match(str(info.value))
-    assert match is not None, str(info.value)
-    return match
+from tests.support.causes import END, ctx, failed_load, observed, store
+from tests.support.vllm_env import cpu_extra, end_token, key, tiering_extra, token_range
 
 
 def test_coverage_mismatch_chunk_never_stored(managers: list, caplog: pytest.LogCaptureFixture) -> None:
@@ -180,7 +140,7 @@ def test_store_failed_after_lookup_a_promotion_released_later(managers: list) ->
         assert not hasattr(tier, compat.DEFERRED_RELEASE_METHOD)
         return
     m = observed(managers, {**tiering_extra(1), "secondary_tiers": [{"type": "DeferringTier",
-                                                                     "module_path": "flaky_tier"}]})
+                                                                     "module_path": "tests.support.flaky_tier"}]})
     a = promoting(m)
     m.on_schedule_end(END)  # flush submits the promotion; the tier fails it, release deferred
     m.on_schedule_end(END)  # the failure is processed: defer_write_release

@@ -18,8 +18,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
-from test_dashboards import panel_queries, substitute
+
+from tests.support.dashboards import panel_queries, substitute
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "kvobs-offload.json"
@@ -107,6 +109,7 @@ def test_counting_panels_use_the_step_and_nothing_counts_with_increase() -> None
             "Chunk residency (capacity evictions)", "Eviction age at failure (in range)", "Load failures"} <= where
 
 
+@pytest.mark.tools
 def test_one_failure_is_counted_once_in_every_counting_query(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make prometheus` installs Debian's prometheus (which ships it)"

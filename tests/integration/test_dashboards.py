@@ -20,17 +20,25 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key, tiering_extra
 
 import kvobs
+from tests.support.dashboards import panel_queries, substitute
+from tests.support.services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
+from tests.support.vllm_env import (
+    cpu_extra,
+    create_manager,
+    evicted_after_lookup_then_coverage_mismatch,
+    key,
+    tiering_extra,
+)
+
+pytestmark = pytest.mark.tools
 
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 RULES = ROOT / "dashboards" / "rules"
@@ -40,12 +48,13 @@ END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 CAUSES_PRODUCED = {"evicted_after_lookup", "coverage_mismatch", "reset_after_lookup", "store_failed_after_lookup"}
 # vLLM's own vllm:kv_offload_* series come from vllm_metrics_process.py: the real connector
 # scheduler's stats recorded by vLLM's own KVConnectorProm (the API server itself needs a GPU).
-VLLM_METRICS = Path(__file__).parent / "vllm_metrics_process.py"
+VLLM_METRICS = "tests.support.vllm_metrics_process"  # run as a module from the repository root
 
 
 def served_model() -> str:
     """The model_name vllm_metrics_process.py labels vLLM's series with (its engine is "0")."""
-    match = re.search(r'^MODEL = "([^"]+)"$', VLLM_METRICS.read_text(), re.M)
+    source = (ROOT / "tests" / "support" / "vllm_metrics_process.py").read_text()
+    match = re.search(r'^MODEL = "([^"]+)"$', source, re.M)
     assert match is not None
     return match[1]
 
@@ -94,7 +103,7 @@ def start_vllm_metrics(kvobs_dir: Path | None = None,
     ``vllm_metrics`` kvobs's counters join vLLM's own series (the kvobs option vllm_metrics)."""
     port = free_port()
     env = {**os.environ, "KVOBS_VLLM_METRICS": "1" if vllm_metrics else "0"}
-    proc = subprocess.Popen([sys.executable, str(VLLM_METRICS), str(port), *([str(kvobs_dir)] if kvobs_dir else [])],
+    proc = subprocess.Popen([sys.executable, "-m", VLLM_METRICS, str(port), *([str(kvobs_dir)] if kvobs_dir else [])],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: b"vllm:kv_offload_allocation_failure_total{" in http_get(f"http://127.0.0.1:{port}/metrics")[2],
@@ -111,24 +120,6 @@ class ShippedPrometheus(Prometheus):
     def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
         super().__init__(workdir, [])
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-
-
-def panel_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(where, expr) for every panel target and annotation query."""
-    for panel in dashboard["panels"]:
-        for inner in [panel, *panel.get("panels", [])]:
-            for target in inner.get("targets", []):
-                yield f"panel {inner['title']!r} {target['refId']}", target["expr"]
-    for annotation in dashboard["annotations"]["list"]:
-        if "expr" in annotation:
-            yield f"annotation {annotation['name']!r}", annotation["expr"]
-
-
-def substitute(expr: str, values: dict[str, str]) -> str:
-    """Grafana's interpolation: $var, ${var} and [[var]] forms."""
-    out = re.sub(r"\$\{(\w+)\}|\$(\w+)|\[\[(\w+)\]\]", lambda m: values[m.group(1) or m.group(2) or m.group(3)], expr)
-    assert "$" not in out, out
-    return out
 
 
 def run_workload(cpu: Any, tier: Any) -> None:
@@ -159,6 +150,7 @@ def run_workload(cpu: Any, tier: Any) -> None:
         tier.prepare_load([key(1)], a)
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_returns_data_after_a_real_workload(tmp_path: Path, managers: list[Any]) -> None:
     directory = tmp_path / "kvobs"
     directory.mkdir()
@@ -329,6 +321,7 @@ def grafana_variables(prometheus: Prometheus, dashboard: dict[str, Any], chosen:
     return values
 
 
+@pytest.mark.slow
 def test_kvobs_counters_from_either_path_without_double_counting(tmp_path: Path) -> None:
     """Issue 15: one engine (vllm_metrics_process.py) journals for a real sidecar and, with the kvobs option
     vllm_metrics, puts the same counters on vLLM's /metrics. A Prometheus scraping vLLM alone fills the

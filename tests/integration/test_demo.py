@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from services import ROOT, OtlpReceiver, free_port, http_get
-from vllm_env import VLLM
+
+from tests.support.services import ROOT, OtlpReceiver, free_port, http_get
+from tests.support.vllm_env import VLLM
 
 
 def _run_demo(
@@ -39,6 +40,7 @@ def _counter_sums(metrics_text: str) -> dict[str, float]:
     return sums
 
 
+@pytest.mark.slow
 def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Path) -> None:
     receiver = OtlpReceiver()
     try:
@@ -119,6 +121,7 @@ def _journaled_totals(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
     return out
 
 
+@pytest.mark.slow
 def test_demo_without_tiering_runs_only_the_cpu_engine(tmp_path: Path) -> None:
     run, directory = _run_demo(tmp_path, "--no-tiering", "--seed", "3")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -126,6 +129,7 @@ def test_demo_without_tiering_runs_only_the_cpu_engine(tmp_path: Path) -> None:
     assert list((directory / "journal").glob("dp0-*.jsonl")) and not list((directory / "journal").glob("dp[12]-*"))
 
 
+@pytest.mark.slow
 def test_demo_keep_serving_leaves_metrics_for_prometheus(tmp_path: Path) -> None:
     port = free_port()
     directory = tmp_path / "kvobs"
@@ -159,6 +163,7 @@ def test_demo_rejects_bad_sizes_with_a_clear_message() -> None:
     assert run.returncode == 2 and "--requests: must be a positive integer, got 0" in run.stderr
 
 
+@pytest.mark.slow
 def test_demo_on_a_directory_with_an_earlier_run_says_the_sidecar_counts_both(tmp_path: Path) -> None:
     first, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
     assert first.returncode == 0 and "the sidecar agrees" in first.stdout, first.stdout[-2000:]
@@ -203,6 +208,7 @@ def _clean_up(demo: subprocess.Popen[bytes], children: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: signal.Signals) -> None:
     """Issue 21: a supervisor's SIGTERM, a closed terminal's SIGHUP, even SIGKILL (which no handler sees:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services import ROOT, Sidecar, free_port
+from tests.support.services import ROOT, Sidecar, free_port
 
 
 def test_demo_refuses_a_port_another_sidecar_already_serves(tmp_path: Path) -> None:

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import yaml
-from services import ROOT, free_port, http_get, wait_for
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvobs.vllm.spec import ObservedOffloadingSpec, split_config
+from tests.support.services import ROOT, free_port, http_get, wait_for
 
 DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "vllm.Dockerfile"]
@@ -167,6 +167,7 @@ def compose_config() -> dict[str, Any]:
     return dict(yaml.safe_load(result.stdout))
 
 
+@pytest.mark.tools
 def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None:
     services = compose_config()["services"]
     assert set(services) == {"vllm", "kvobs", "prometheus", "alertmanager", "grafana", "otel-collector", "jaeger"}
@@ -210,6 +211,7 @@ def test_compose_file_passes_docker_compose_config_and_wires_the_stack() -> None
     assert destination["name"] == "trace_id" and destination["datasourceUid"] == by_type["jaeger"]["uid"]
 
 
+@pytest.mark.tools
 def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
     services = compose_config()["services"]
     manager = services["alertmanager"]
@@ -247,6 +249,7 @@ def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
         assert routed.stdout.strip() == receiver, routed.stdout + routed.stderr
 
 
+@pytest.mark.tools
 def test_compose_traces_go_through_the_otel_collector_to_jaeger() -> None:
     services = compose_config()["services"]
     vllm, collector = services["vllm"], services["otel-collector"]
@@ -332,6 +335,7 @@ def build_context(destination: Path) -> Path:
     return destination
 
 
+@pytest.mark.slow
 def test_the_docker_build_context_builds_a_wheel_with_the_compiled_hot_path(tmp_path: Path) -> None:
     """What both Dockerfiles do in their build stage: `pip wheel` of the build context, with build
     isolation (setup.py's mypyc comes from the build requirements, as in the image). The compiled

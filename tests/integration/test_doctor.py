@@ -4,7 +4,7 @@ Every case is a real ``kvobs doctor`` process of this interpreter (the installed
 kvobs), started together by one fixture (each spends most of its time importing vLLM). What they cover:
 kvobs observes (CPU and tiering inner specs, text and ``--json``), an unknown kvobs option and an
 unusable directory (exit 2, named), a protocol kvobs does not know (exit 1: the out-of-tree cache policy of
-tests/integration/changed_protocol.py, loaded by vLLM's own mechanism, as test_fail_open does), a release
+tests/support/changed_protocol.py, loaded by vLLM's own mechanism, as test_fail_open does), a release
 newer than kvobs's tested ones (observed, said so), and a Python without vLLM (exit 1). The doctor leaves
 nothing behind: no probe file, no directory it created, no secondary tier's files.
 """
@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from vllm_env import BYTES_PER_CHUNK
 
 import kvobs
 from kvobs.versions import SUPPORTED_VLLM
 from kvobs.vllm import compat
 from kvobs.vllm.doctor import version_relation
+from tests.support.vllm_env import BYTES_PER_CHUNK
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(kvobs.__file__).parents[1]
-HERE = Path(__file__).parent
 
 
 def transfer_config(connector: str = "ObservedOffloadingConnector", top: dict[str, Any] | None = None,
@@ -73,8 +74,8 @@ def cases(tmp: Path) -> dict[str, Case]:
                                env={"KVOBS_DIR": str(tmp / "a-file" / "sub")}),  # fails as root too
         "changed_protocol": Case(["--json", "--kv-transfer-config", transfer_config(
             cpu_bytes_to_use=2 * BYTES_PER_CHUNK, eviction_policy="WrappedLRUPolicy",
-            cache_policy_module_path="changed_protocol",
-        )], env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}),
+            cache_policy_module_path="tests.support.changed_protocol",
+        )]),  # tests.support: the processes run from the repository root
         "newer_vllm": Case(["--kv-transfer-config", transfer_config()],
                            prelude="import kvobs.vllm.compat as c; c.VLLM_VERSION = '99.0.0'"),
         "no_vllm": Case([], prelude="sys.modules['vllm'] = None"),  # `import vllm` fails, as without it

@@ -1,6 +1,6 @@
 """`kvobs explain` on the log vLLM 0.33.0 itself writes when an EngineCore dies on a failed load.
 
-The logs come from ``crash_log.py``: a real manager raising the real assertion, logged by
+The logs come from ``tests/support/crash_log.py``: a real manager raising the real assertion, logged by
 vLLM's own logging setup. The ``Block ...`` wording of vLLM <= 0.28 is not runnable here; its
 lines are the same real lines with the noun vLLM used then (the format string was otherwise
 identical: ``f"Block {block_hash!r} not found in cache"``).
@@ -29,16 +29,18 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from services import ROOT, Sidecar, free_port
 
 from kvobs import cli
 from kvobs.explain import scan_log
+from tests.support.services import ROOT, Sidecar, free_port
 
-HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow
+
+CRASH_LOG = "tests.support.crash_log"  # run as a module from the repository root
 
 
 def crash_log(path: Path, mode: str, state: str, dp: int, directory: Path | None = None) -> Path:
-    args = [sys.executable, str(HERE / "crash_log.py"), mode, state, str(dp)]
+    args = [sys.executable, "-m", CRASH_LOG, mode, state, str(dp)]
     if directory is not None:
         args.append(str(directory))
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -276,7 +278,7 @@ def quoted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                       "quote": {"CRASH_LOG_QUOTE_KEY": "1"}, "quote json": {"CRASH_LOG_QUOTE_KEY": "1",
                                                                              "CRASH_LOG_FORMATTER": "json"}}.items():
         directory = base / name.replace(" ", "-")
-        run = subprocess.run([sys.executable, str(HERE / "crash_log.py"), "kvobs", "missing", "0", str(directory)],
+        run = subprocess.run([sys.executable, "-m", CRASH_LOG, "kvobs", "missing", "0", str(directory)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | env)
         assert run.returncode == 0 and "not found in cache" in run.stdout, run.stderr[-2000:]
         made[name] = directory.with_suffix(".log")

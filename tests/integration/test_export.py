@@ -15,13 +15,13 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
-from services import ROOT, OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 import kvobs
+from tests.support.services import ROOT, OtlpReceiver, Prometheus, Sidecar, http_get, wait_for
+from tests.support.vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
-ENGINE = Path(__file__).parent / "engine_process.py"
+ENGINE = "tests.support.engine_process"  # run as a module, the repository root on PYTHONPATH
 
 
 @pytest.fixture
@@ -43,6 +43,8 @@ def attrs(items: object) -> dict[str, object]:
     return out
 
 
+@pytest.mark.tools
+@pytest.mark.slow
 def test_workload_metrics_reach_a_real_prometheus(tmp_path: Path, receiver: OtlpReceiver) -> None:
     directory = tmp_path / "kvobs"
     provider = TracerProvider()
@@ -107,6 +109,7 @@ def test_workload_metrics_reach_a_real_prometheus(tmp_path: Path, receiver: Otlp
         sidecar.stop()
 
 
+@pytest.mark.slow
 def test_crashed_engines_evidence_survives_and_two_engines_are_labelled_apart(
     tmp_path: Path, receiver: OtlpReceiver
 ) -> None:
@@ -115,9 +118,9 @@ def test_crashed_engines_evidence_survives_and_two_engines_are_labelled_apart(
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "PYTHONPATH": str(ROOT)}
     try:
         engines = [
-            subprocess.Popen([sys.executable, str(ENGINE), str(directory), "dp0", "30", "fail"], env=env,
+            subprocess.Popen([sys.executable, "-m", ENGINE, str(directory), "dp0", "30", "fail"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE),
-            subprocess.Popen([sys.executable, str(ENGINE), str(directory), "dp1", "20", "ok"], env=env,
+            subprocess.Popen([sys.executable, "-m", ENGINE, str(directory), "dp1", "20", "ok"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE),
         ]
         outputs = [p.communicate(timeout=120) for p in engines]

@@ -1,7 +1,7 @@
 """An observability plugin never stops an engine: on what kvobs does not know, it steps aside.
 
 The unknown protocol here is real vLLM code: an out-of-tree cache policy loaded by vLLM's own
-mechanism (tests/integration/changed_protocol.py). Through the plugin, the engine gets vLLM's
+mechanism (tests/support/changed_protocol.py). Through the plugin, the engine gets vLLM's
 manager unobserved, one warning says why, and the sidecar exports ``kvobs_observing 0``;
 ``kvobs.observe()`` called directly refuses with an error naming what is missing.
 """
@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm_env import cpu_extra, create_manager, create_spec, key, observed_extra
 
 import kvobs
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.vllm import ObservedOffloadingManager, compat
+from tests.support.vllm_env import cpu_extra, create_manager, create_spec, key, observed_extra
 
-UNKNOWN_POLICY = {"eviction_policy": "WrappedLRUPolicy", "cache_policy_module_path": "changed_protocol"}
+UNKNOWN_POLICY = {"eviction_policy": "WrappedLRUPolicy", "cache_policy_module_path": "tests.support.changed_protocol"}
 
 
 def test_the_plugin_steps_aside_and_vllm_runs_as_without_kvobs(

@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_harness import DOCUMENT, FILLERS
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-from vllm_env import VLLM, create_spec, key, observed_extra
 
 from kvobs.demo.driver import EngineStepDriver, build_scheduler
 from kvobs.demo.incidents import (
@@ -32,6 +30,8 @@ from kvobs.demo.incidents import (
 )
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
+from tests.support.scheduler_harness import DOCUMENT, FILLERS
+from tests.support.vllm_env import VLLM, create_spec, key, observed_extra
 
 
 def observed_fs(tmp_path: Path, **build: Any) -> tuple[Any, EngineStepDriver]:

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 
 from kvobs.demo import driver
 from kvobs.vllm import ObservedOffloadingManager
+from tests.support.services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 
-VLLM_METRICS = Path(__file__).parent / "vllm_metrics_process.py"
+VLLM_METRICS = "tests.support.vllm_metrics_process"  # run as a module from the repository root
 # prometheus_client 0.26 writes vLLM's ``vllm:`` sample names as ``vllm_`` in OpenMetrics (which
 # Prometheus asks for first), its HELP/TYPE lines keeping the colon; the text format keeps it. So
 # vLLM's series are selected by a name pattern taking either (README, "Joining vLLM's series").
@@ -82,6 +82,8 @@ def test_the_plugin_takes_vllms_labels_through_the_real_connector(
     assert compat.SERVED_MODEL_NAME.get() is None  # the connector's name does not outlive its construction
 
 
+@pytest.mark.tools
+@pytest.mark.slow
 def test_kvobs_series_join_vllms_own_in_prometheus_without_relabeling(tmp_path: Path) -> None:
     """The engine of vllm_metrics_process.py serves vLLM's own ``vllm:kv_offload_*`` series (vLLM's
     KVConnectorProm labels them model_name/engine as the API server does) and journals for a real
@@ -89,7 +91,7 @@ def test_kvobs_series_join_vllms_own_in_prometheus_without_relabeling(tmp_path: 
     directory = tmp_path / "kvobs"
     sidecar = Sidecar(directory).start()
     vllm_port = free_port()
-    engine = subprocess.Popen([sys.executable, str(VLLM_METRICS), str(vllm_port), str(directory)], cwd=ROOT,
+    engine = subprocess.Popen([sys.executable, "-m", VLLM_METRICS, str(vllm_port), str(directory)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     prometheus = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{sidecar.port}", f"127.0.0.1:{vllm_port}"])
     try:

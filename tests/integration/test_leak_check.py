@@ -1,4 +1,4 @@
-"""The suite's leftover-process check (tests/conftest.py, tests/leaks.py) sees what the tests start.
+"""The suite's leftover-process check (tests/conftest.py, tests/support/leaks.py) sees what the tests start.
 
 Why: the check finds a process by a token in its environment; a test helper that drops the token
 (clean_env() strips every ``KVOBS_*`` variable, as an operator's shell has none) would hide a leaked
@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from leaks import processes_of_this_session
-from services import clean_env
+
+from tests.support.leaks import processes_of_this_session
+from tests.support.services import clean_env
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

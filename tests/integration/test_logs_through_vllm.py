@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.vllm_logging import json_logging_config
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -30,19 +34,6 @@ logging.getLogger().setLevel(logging.ERROR)  # as vLLM 0.30's EngineCore runs: t
 logging.getLogger("kvobs").warning("kvobs steps aside: %s", sys.argv[1])
 logging.getLogger("kvobs").debug("below vLLM's level: not shown")
 """
-
-
-def json_logging_config(path: Path) -> Path:
-    """A ``VLLM_LOGGING_CONFIG_PATH`` file: vLLM's logger as JSON lines (vLLM's documented form; also
-    used by tests/engine/test_serve_more.py)."""
-    path.write_text(json.dumps({
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"json": {"class": "pythonjsonlogger.jsonlogger.JsonFormatter",
-                                "format": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s"}},
-        "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stdout"}},
-        "loggers": {"vllm": {"handlers": ["json"], "level": "INFO", "propagate": False}},
-    }))
-    return path
 
 
 def run(tmp_path: Path, **env: str) -> list[str]:

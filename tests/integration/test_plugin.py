@@ -9,10 +9,10 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-from vllm_env import cpu_extra, create_spec, key, observed_extra, tiering_extra
 
 from kvobs.options import OptionError
 from kvobs.vllm import ObservedOffloadingManager, ObservedOffloadingSpec
+from tests.support.vllm_env import cpu_extra, create_spec, key, observed_extra, tiering_extra
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

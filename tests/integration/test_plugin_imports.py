@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_env import cpu_extra, observed_extra, tiering_extra
+import pytest
 
 import kvobs
+from tests.support.vllm_env import cpu_extra, observed_extra, tiering_extra
 
 HEAVY = (
     "kvobs.history", "kvobs.observer", "kvobs.hot_path_loader", "kvobs.hot_path", "kvobs.hot_path__mypyc",
@@ -50,6 +51,7 @@ print(json.dumps({"vllm_loads_numpy": vllm_loads_numpy, "modules": modules, "laz
 """
 
 
+@pytest.mark.slow
 def test_the_api_servers_calls_load_none_of_kvobss_recording_side() -> None:
     configs = [
         observed_extra(inner, **options)

@@ -82,7 +82,8 @@ def test_a_store_job_the_workers_fail_is_a_store_failed_removal(caplog: pytest.L
 def test_a_promotion_failed_with_a_deferred_release_has_a_reason_of_its_own() -> None:
     scheduler, _spec, kv_cache_config = build_scheduler(
         {**OBSERVED, "kvobs": {"inner_spec": "TieringOffloadingSpec"},
-         "secondary_tiers": [{"type": "DeferringTier", "module_path": "flaky_tier"}], "tier_poll_interval_s": 0},
+         "secondary_tiers": [{"type": "DeferringTier", "module_path": "tests.support.flaky_tier"}],
+         "tier_poll_interval_s": 0},
         hybrid=False, num_cpu_chunks=6,
     )
     driver = EngineStepDriver(scheduler, kv_cache_config)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from scheduler_harness import reproduce_promotion_evicts_hit
-from vllm_env import VLLM
+
+from tests.support.scheduler_harness import reproduce_promotion_evicts_hit
+from tests.support.vllm_env import VLLM
 
 FAILS_HERE = VLLM >= (0, 33)
 

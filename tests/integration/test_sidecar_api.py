@@ -18,14 +18,14 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from services import ROOT, Sidecar, clean_env, free_port, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 import kvobs
 from kvobs.codes import BUCKETS
 from kvobs.sidecar import server
 from kvobs.sidecar.server import FailureQuery, failure_page
+from tests.support.services import ROOT, Sidecar, clean_env, free_port, http_get, wait_for
+from tests.support.vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 
 def kvobs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

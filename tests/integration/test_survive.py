@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_causes import END, ctx, observed, store
 from vllm.v1.kv_offload.base import LookupResult
-from vllm_env import cpu_extra, key, tiering_extra
 
 from kvobs.demo import driver
 from kvobs.options import OptionError
 from kvobs.vllm import ObservedOffloadingManager, compat
+from tests.support.causes import END, ctx, observed, store
+from tests.support.vllm_env import cpu_extra, key, tiering_extra
 
 RECOMPUTED_LINE = "kv offload load failed, recomputed instead (kvobs survive): "
 

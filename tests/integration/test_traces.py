@@ -1,7 +1,7 @@
 """Traces: the standard OTEL_* variables as an EngineCore reads them at start, the request id where
 vLLM's spans keep it, and the link from the sidecar's failure counter to the failure's trace.
 
-Real parts throughout: engines are processes (``engine_process.py``, a real observed vLLM manager
+Real parts throughout: engines are processes (``tests/support/engine_process.py``, a real observed vLLM manager
 that dies on the failed load), spans go through the SDK's own OTLP/HTTP exporter to a real HTTP
 receiver (``services.OtlpReceiver``) or to the SDK's console exporter, and the exemplar is read
 from a real ``kvobs serve`` in OpenMetrics.
@@ -24,15 +24,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
-from services import ROOT, OtlpReceiver, Sidecar, http_get, wait_for
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
 import kvobs
 from kvobs.wire.decode import decode_report
+from tests.support.services import ROOT, SPAN, OtlpReceiver, Sidecar, attrs, http_get, received, wait_for
+from tests.support.vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
-ENGINE = Path(__file__).parent / "engine_process.py"
-SPAN = "kv_offload.prepare_load"
+ENGINE = "tests.support.engine_process"  # run as a module, the repository root on PYTHONPATH
 OPENMETRICS = {"Accept": "application/openmetrics-text; version=1.0.0"}
 OTEL_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED",
              "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
@@ -46,29 +45,6 @@ def receiver() -> Iterator[OtlpReceiver]:
     r.stop()
 
 
-def value_of(value: Any) -> Any:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [value_of(v) for v in value.array_value.values]
-    return getattr(value, kind)
-
-
-def attrs(items: Any) -> dict[str, Any]:
-    return {kv.key: value_of(kv.value) for kv in items}
-
-
-def received(receiver: OtlpReceiver) -> list[tuple[dict[str, Any], Any]]:
-    """(resource attributes, span) of every failure span the receiver got."""
-    return [
-        (attrs(resource_spans.resource.attributes), span)
-        for request in receiver.requests
-        for resource_spans in request.resource_spans
-        for scope_spans in resource_spans.scope_spans
-        for span in scope_spans.spans
-        if span.name == SPAN
-    ]
-
-
 class Engine:
     """An engine process that dies on its failed load, with these OTEL_* variables only."""
 
@@ -76,7 +52,7 @@ class Engine:
         self.dir = directory
         env = {k: v for k, v in os.environ.items() if k not in OTEL_VARS}
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE), str(directory), "dp0", "4", "fail"],
+            [sys.executable, "-m", ENGINE, str(directory), "dp0", "4", "fail"],
             env={**env, **otel, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         self.stdout = self.stderr = ""
@@ -118,6 +94,7 @@ def console_spans(stdout: str) -> list[dict[str, Any]]:
     return spans
 
 
+@pytest.mark.slow
 def test_traces_exporter_variable_is_honoured(tmp_path: Path) -> None:
     """OTEL_TRACES_EXPORTER: none exports nothing even with an endpoint set; console prints the span;
     an unknown value is warned about by name and exports nothing; unset with an endpoint is otlp."""
@@ -156,6 +133,7 @@ def test_traces_exporter_variable_is_honoured(tmp_path: Path) -> None:
             r.stop()
 
 
+@pytest.mark.slow
 def test_service_name_follows_the_standard_precedence(tmp_path: Path) -> None:
     """OTEL_SERVICE_NAME > service.name in OTEL_RESOURCE_ATTRIBUTES > kvobs; other resource attributes kept."""
     receivers = {name: OtlpReceiver() for name in ("attributes", "both")}

@@ -7,12 +7,12 @@ import random
 from typing import Any
 
 import pytest
-from twin_driver import Twin, apply, random_op, same
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 import kvobs
 from kvobs.vllm import compat
+from tests.support.twin_driver import Twin, apply, random_op, same
+from tests.support.vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 SEQUENCES = 40
 OPS_PER_SEQUENCE = 120

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_causes import failed_load, observed, store
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm_env import cpu_extra, key, set_position
+
+from tests.support.causes import failed_load, observed, store
+from tests.support.vllm_env import cpu_extra, key, set_position
 
 
 def test_a_dropped_verdict_is_not_called_a_coverage_mismatch(managers: list[Any]) -> None:

@@ -20,13 +20,10 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
-from scheduler_harness import DOCUMENT, FILLERS
-from twin_driver import stats_shape
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import get_connector_metric_definitions
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
-from vllm_env import VLLM, cpu_extra, create_spec, observed_extra, tiering_extra
 
 from kvobs.codes import CAUSES, REASONS
 from kvobs.demo.driver import EngineStepDriver, build_scheduler, make_vllm_config
@@ -40,6 +37,9 @@ from kvobs.demo.incidents import (
 from kvobs.demo.workload import Traffic, Workload
 from kvobs.options import OptionError, parse_options
 from kvobs.vllm import ObservedOffloadingManager, compat, vllm_metrics
+from tests.support.scheduler_harness import DOCUMENT, FILLERS
+from tests.support.twin_driver import stats_shape
+from tests.support.vllm_env import VLLM, cpu_extra, create_spec, observed_extra, tiering_extra
 
 SERIES = {
     "vllm:kv_offload_kvobs_evicted_chunks_total": ("reason", REASONS, "evicted"),

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "integration"))
-
-import figures  # noqa: E402
+from tests.support import figures
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

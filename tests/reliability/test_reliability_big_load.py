@@ -12,13 +12,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, key
 
 import kvobs
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.server import FailureQuery, failure_page
 from kvobs.tracing import EVENT_NAME, MAX_SPAN_KEYS
 from kvobs.wire.format import MAX_REPORT_BYTES
+from tests.support.vllm_env import cpu_extra, create_manager, key
 
 KEYS = 14_000  # ~4.8 MB of per-key report before the fix: over MAX_REPORT_BYTES, rejected as corrupt
 

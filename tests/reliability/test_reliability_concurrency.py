@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from figures import MEASURED
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
-from vllm_env import create_manager, key, tiering_extra
 
 import kvobs
 from kvobs.journal import FLUSH_EVERY_S
 from kvobs.wire.decode import decode_record
 from kvobs.wire.format import Removals
+from tests.support.figures import MEASURED
+from tests.support.vllm_env import create_manager, key, tiering_extra
 
 RUN_S = 3.0
 DEADLOCK_TIMEOUT_S = 60.0
@@ -45,7 +45,7 @@ def extra() -> dict[str, Any]:
     return tiering_extra(
         SLOTS,
         _events=True,
-        secondary_tiers=[{"type": "example"}, {"type": "PeerTier", "module_path": "peer_tier"}],
+        secondary_tiers=[{"type": "example"}, {"type": "PeerTier", "module_path": "tests.support.peer_tier"}],
         tier_poll_interval_s=0.001,
     )
 
@@ -143,6 +143,7 @@ def peer_of(manager: OffloadingManager) -> Any:
     return peer
 
 
+@pytest.mark.slow
 def test_tier_poll_thread_and_scheduler_thread_no_deadlock_no_lost_records(tmp_path: Path) -> None:
     bare = create_manager(extra())
     try:

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from figures import MEASURED
-from services import Sidecar, http_get
 
 from kvobs.sidecar.server import MAX_CONNECTIONS, REQUEST_DEADLINE_S
+from tests.support.figures import MEASURED
+from tests.support.services import Sidecar, http_get
 
 RSS_GROWTH_LIMIT_KB = 64 * 1024
 
@@ -122,6 +122,7 @@ def test_malformed_requests_get_an_error_and_the_sidecar_keeps_serving(
     assert healthy(sidecar)
 
 
+@pytest.mark.slow
 def test_abuse_leaves_the_sidecar_serving_with_bounded_memory(sidecar: Sidecar) -> None:
     assert sidecar.proc is not None
     pid = sidecar.proc.pid

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import churn, engine_totals, observed_cpu, remount, same_failure_as_bare, tmpfs
 
 from kvobs.journal import FLUSH_EVERY_S
+from tests.support.faults import churn, engine_totals, observed_cpu, remount, same_failure_as_bare, tmpfs
 
 
 def kvobs_error_logs(caplog: pytest.LogCaptureFixture, stage: str) -> int:

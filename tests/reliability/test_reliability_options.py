@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm_env import cpu_extra, create_spec, tiering_extra
 
 import kvobs
 from kvobs.options import OptionError
+from tests.support.vllm_env import cpu_extra, create_spec, tiering_extra
 
 
 def plugin_extra(kvobs_section: Any, inner: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def test_bad_option_fails_at_start_up_naming_it(section: Any, pattern: str, inne
 
 
 def test_observe_rejects_the_same_bad_options_by_name() -> None:
-    from vllm_env import create_manager
+    from tests.support.vllm_env import create_manager
 
     manager = create_manager(cpu_extra(2))
     try:
@@ -84,7 +84,7 @@ def test_a_good_section_still_builds() -> None:
         assert manager.observer.options.history_size == 4096  # type: ignore[attr-defined]
     finally:
         manager.shutdown()
-    from vllm_env import create_manager
+    from tests.support.vllm_env import create_manager
 
     observed = kvobs.observe(create_manager(cpu_extra(2)), tracer_provider=TracerProvider())
     observed.shutdown()

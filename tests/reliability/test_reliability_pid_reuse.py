@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from faults import churn, engine_totals, observed_cpu
-
 from kvobs.journal import FLUSH_EVERY_S
+from tests.support.faults import churn, engine_totals, observed_cpu
 
 
 def test_sidecar_totals_survive_an_engine_restart_with_the_same_pid(tmp_path: Path) -> None:

@@ -18,10 +18,11 @@ from typing import Any
 import psutil
 import pytest
 from opentelemetry import trace
-from scheduler_harness import DOCUMENT, FILLER, reproduce_promotion_evicts_hit
-from services import ROOT, OtlpReceiver, Sidecar, free_port, http_get, wait_for
 
-ENGINE = ROOT / "tests" / "integration" / "engine_process.py"
+from tests.support.scheduler_harness import DOCUMENT, FILLER, reproduce_promotion_evicts_hit
+from tests.support.services import ROOT, OtlpReceiver, Sidecar, free_port, http_get, wait_for
+
+ENGINE = "tests.support.engine_process"  # run as a module, the repository root on PYTHONPATH
 
 
 def listening_addresses(pid: int) -> list[tuple[str, int]]:
@@ -67,6 +68,7 @@ def test_sidecar_binds_elsewhere_only_when_told(tmp_path: Path) -> None:
         proc.wait(timeout=15)
 
 
+@pytest.mark.slow
 def test_files_only_inside_the_kvobs_dir_with_private_modes(tmp_path: Path) -> None:
     """An engine that dies on a failed load and a sidecar, both with umask 0 and an empty cwd, HOME and TMPDIR."""
     directory, elsewhere = tmp_path / "kvobs", tmp_path / "elsewhere"
@@ -78,7 +80,7 @@ def test_files_only_inside_the_kvobs_dir_with_private_modes(tmp_path: Path) -> N
     def umask0() -> None:
         os.umask(0)
 
-    engine = subprocess.run([sys.executable, str(ENGINE), str(directory), "dp0", "20", "fail"], env=env,
+    engine = subprocess.run([sys.executable, "-m", ENGINE, str(directory), "dp0", "20", "fail"], env=env,
                             cwd=elsewhere, preexec_fn=umask0, capture_output=True, timeout=120)
     assert engine.returncode == 1 and b"cause: evicted_after_lookup" in engine.stderr
     port = free_port()

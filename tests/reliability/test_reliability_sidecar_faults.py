@@ -15,14 +15,15 @@ import threading
 import time
 from pathlib import Path
 
-from faults import churn, observed_cpu, same_failure_as_bare
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from services import Sidecar, http_get, wait_for
 
 from kvobs.codes import REASONS
 from kvobs.journal import FLUSH_EVERY_S
 from kvobs.observer import Observer
 from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
+from tests.support.faults import churn, observed_cpu, same_failure_as_bare
+from tests.support.services import Sidecar, http_get, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -69,6 +70,7 @@ def seen(samples: Samples, engine: str) -> dict[str, float | None]:
     return got
 
 
+@pytest.mark.slow
 def test_sidecar_absent_killed_and_restarted_mid_run_ends_exact(tmp_path: Path) -> None:
     directory = tmp_path / "kvobs"
     manager = observed_cpu(dir=str(directory), engine="e0")

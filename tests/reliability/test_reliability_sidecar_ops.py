@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from services import ROOT, free_port, http_get, wait_for
-from test_reliability_sidecar_input import scrape, skipped, write_engine
 
 from kvobs.sidecar.ingest import CHECKPOINT
+from tests.support.services import ROOT, free_port, http_get, wait_for
+from tests.support.sidecar_input import scrape, skipped, write_engine
 
 
 def start(directory: Path, *args: str, port: int | None = None, prefix: tuple[str, ...] = ()) -> tuple[
@@ -177,6 +177,7 @@ def test_the_failure_time_gauges_survive_a_sidecar_restart(tmp_path: Path) -> No
         stop(proc)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and util-linux setpriv to run the sidecar as another uid")
 def test_a_sidecar_of_another_uid_says_what_it_cannot_read(tmp_path: Path) -> None:
@@ -229,6 +230,7 @@ def _big_journal_dir(directory: Path, files: int = 16, removals: int = 20_000) -
         shutil.copyfile(journal, journal.with_name(f"e{i}-{1000 + i}.000000.jsonl"))
 
 
+@pytest.mark.slow
 def test_livez_answers_while_the_first_ingest_round_still_runs(tmp_path: Path) -> None:
     """Kubernetes counts a container with no readiness probe as ready once its startup probe passes:
     /livez must answer from the bind, not once a long first round (a journal replay) is over; /healthz

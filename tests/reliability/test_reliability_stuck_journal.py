@@ -13,11 +13,13 @@ import threading
 import time
 from pathlib import Path
 
-from faults import observed_cpu, same_failure_as_bare
+import pytest
 
 from kvobs.journal import FAILURE_FLUSH_TIMEOUT_S, FLUSH_EVERY_S
+from tests.support.faults import observed_cpu, same_failure_as_bare
 
 
+@pytest.mark.slow
 def test_shutdown_is_bounded_while_the_journal_writer_is_stuck(tmp_path: Path) -> None:
     directory = tmp_path / "kvobs"
     (directory / "journal").mkdir(parents=True)

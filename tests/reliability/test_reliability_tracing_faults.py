@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import closed_port, observed_cpu, same_failure_as_bare, silent_server
-from figures import MEASURED
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -28,6 +26,8 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from kvobs.tracing import FLUSH_TIMEOUT_MS, provider_from_env
+from tests.support.faults import closed_port, observed_cpu, same_failure_as_bare, silent_server
+from tests.support.figures import MEASURED
 
 BOUND_S = FLUSH_TIMEOUT_MS / 1000
 SLACK_S = 1.5  # a shared 2-core machine

@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from figures import COUNTS
 from hypothesis import HealthCheck, given, settings, strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from twin_driver import Outcome, Twin, apply, event_fields, plain, run, same, step_lock
 from vllm.v1.kv_offload.base import ScheduleEndContext
-from vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 import kvobs
 from kvobs.vllm.compat import resident_chunks
+from tests.support.figures import COUNTS
+from tests.support.twin_driver import Outcome, Twin, apply, event_fields, plain, run, same, step_lock
+from tests.support.vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 MAX_EXAMPLES = 150
 MAX_OPS = 80
@@ -152,6 +152,7 @@ def check_sequence(config: str, ops: Ops, directory: Path | None) -> None:
     COUNTS[f"transparency.{config}.failed_loads"] += failed_loads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["cpu-lru", "cpu-arc", "tiering"])
 def test_random_operation_lists_are_transparent(config: str) -> None:
     @PROPERTY

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from removals import record_removal
-from services import ROOT, http_get
-from test_reliability_sidecar_input import scrape, serve, skipped
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
 from kvobs.observer import FailureEvent, Observer, Unloadable
 from kvobs.options import Options
 from kvobs.wire.format import MAX_LINE_BYTES
+from tests.support.removals import record_removal
+from tests.support.services import ROOT, http_get
+from tests.support.sidecar_input import scrape, serve, skipped
 
 
 def _key(i: int) -> bytes:
@@ -132,6 +132,7 @@ def test_one_long_request_id_costs_no_other_requests_evidence(tmp_path: Path, si
     assert report["req_id"].startswith("yyy") and len(report["req_id"]) <= 4096
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("char", ["r", "\u00e9", "\U0001f600", "\x01", '"'],
                          ids=["ascii", "e-acute", "emoji", "control", "quote"])
 def test_a_drained_run_is_never_one_line_longer_than_the_reader_takes(tmp_path: Path, sidecar: Any,

@@ -6,10 +6,10 @@ import os
 import tracemalloc
 
 import pytest
-from columns import record_batch
 
 from kvobs.codes import PATHS, REASONS
 from kvobs.history import EvictionHistory
+from tests.support.columns import record_batch
 
 CAPACITY = REASONS.index("capacity")
 RESET = REASONS.index("reset")
@@ -109,6 +109,7 @@ def test_removal_at_gives_a_batch_by_serial_while_the_history_holds_it() -> None
     assert history.removal_at(history.next_serial - 1) is not None
 
 
+@pytest.mark.slow
 def test_one_million_keys_fit_in_sixteen_mib() -> None:
     """Measured with tracemalloc, not taken from nbytes(): a history that kept key objects, a
     container per batch or a pending list alive would show here. Keys are made while tracing

@@ -11,9 +11,8 @@ import os
 import random
 import time
 
-from columns import record_batch
-
 from kvobs.history import EvictionHistory
+from tests.support.columns import record_batch
 
 
 def _filled(capacity: int, batch: int) -> tuple[EvictionHistory, list[bytes]]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from removals import journal_one_removal, record_removal
-
 from kvobs.diagnosis import MISSING
 from kvobs.journal import KEEP_SEGMENTS, REPORT_BYTES, JournalSink, disk_bound
 from kvobs.observer import FailureEvent, Observer, Unloadable
@@ -18,6 +16,7 @@ from kvobs.sidecar.state import SidecarState
 from kvobs.wire.decode import read_report
 from kvobs.wire.encode import bounded_report
 from kvobs.wire.format import MAX_LINE_BYTES
+from tests.support.removals import journal_one_removal, record_removal
 
 
 def _directory_bytes(directory: Path) -> int:

@@ -16,14 +16,13 @@ import pytest
 from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
 
-TESTS = str(Path(__file__).resolve().parents[1])
+ROOT = Path(__file__).resolve().parents[2]  # the cwd of the processes: ``-c`` puts it first on sys.path (tests.support)
 ENGINE_PROCESS = """
 import sys
-sys.path.insert(0, sys.argv[4])  # tests/, for removals.py
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer
 from kvobs.options import Options
-from removals import record_removal
+from tests.support.removals import record_removal
 
 observer = Observer(Options(dir=sys.argv[1], engine=sys.argv[2], journal_processes=int(sys.argv[3])))
 sink = JournalSink(sys.argv[1], observer)
@@ -38,6 +37,7 @@ def _pids(journal: Path, engine: str) -> set[str]:
     return {p.name.rsplit(".", 2)[0].rpartition("-")[2] for p in journal.glob(f"{engine}-*.jsonl")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept", [Options().journal_processes, 2])
 def test_earlier_processes_segments_are_pruned_and_totals_stay_exact(tmp_path: Path, kept: int) -> None:
     directory = tmp_path / "kvobs"
@@ -45,8 +45,8 @@ def test_earlier_processes_segments_are_pruned_and_totals_stay_exact(tmp_path: P
     restarts = kept + 4
     for _ in range(restarts):
         for engine in ("e0", "e1"):  # e1 restarts too; e0's pruning must not touch it, nor e1's e0's
-            subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(directory), engine, str(kept), TESTS],
-                           check=True, timeout=60)
+            subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(directory), engine, str(kept)],
+                           cwd=ROOT, check=True, timeout=60)
         ingest.poll()  # the sidecar keeps up: every process's totals read before its files go
     journal = directory / "journal"
     for engine in ("e0", "e1"):

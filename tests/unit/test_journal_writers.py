@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from removals import record_removal
-
 from kvobs import journal
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer
 from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
+from tests.support.removals import record_removal
 
 
 def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(tmp_path: Path) -> None:

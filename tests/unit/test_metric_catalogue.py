@@ -7,13 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from removals import journal_one_removal
-
 from kvobs import metric_catalogue
 from kvobs.codes import SURVIVE_COUNTS
 from kvobs.metric_catalogue import METRIC, METRICS, exposed_name
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
+from tests.support.removals import journal_one_removal
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

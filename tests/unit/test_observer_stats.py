@@ -3,9 +3,8 @@ second of batch time, however the batches reach the history (one by one or as a 
 
 from __future__ import annotations
 
-from removals import record_removal
-
 from kvobs.observer import Observer
+from tests.support.removals import record_removal
 
 
 def _key(i: int) -> bytes:

@@ -3,8 +3,9 @@
 What is here: ``vllm_0_34_0/`` holds vLLM v0.34.0's manager-level tests, vendored unchanged (each file
 keeps vLLM's SPDX header and says where it came from; vLLM's license is ``vllm_0_34_0/LICENSE``). They
 sit under ``vllm_0_34_0/tests/v1/kv_offload/``, the path they have in vLLM's repository, so that their
-own imports (``from tests.v1.kv_offload.conftest import ...``) work as written: pytest puts
-``vllm_0_34_0`` on ``sys.path`` and imports them as the package ``tests.v1.kv_offload``.
+own imports (``from tests.v1.kv_offload.conftest import ...``) work as written: they import as the
+package ``tests.v1.kv_offload``, ``tests`` being this repository's test package with the vendored
+``tests/`` folder added to its ``__path__`` (below, where ``_RELEASE_DIR`` is set).
 
 Two runs, same files:
 
@@ -45,9 +46,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+import tests
 
 WRAP_VAR = "KVOBS_UPSTREAM_WRAP"
 """``KVOBS_UPSTREAM_WRAP=1``: the wrapped run; ``=all``: the wrapped run, ``NOT_FOR_A_WRAPPER`` included."""
@@ -97,6 +101,15 @@ def _installed_vllm() -> tuple[int, int] | None:
 
 
 _RELEASE_DIR = VENDORED_RELEASES.get(_installed_vllm() or (-1, -1))
+
+if _RELEASE_DIR is not None:
+    # ``tests`` is this repository's test package (tests/__init__.py), imported before the vendored
+    # tests; their own package is also named ``tests`` (vLLM's tests/, holding v1/kv_offload). One name,
+    # two folders: the vendored ``tests/`` joins this package's ``__path__``, so ``tests.v1`` is found
+    # there (this repository's tests/ has no ``v1``) and the vendored modules import as written.
+    _VENDORED_TESTS = str(Path(__file__).resolve().parent / _RELEASE_DIR / "tests")
+    if _VENDORED_TESTS not in tests.__path__:
+        tests.__path__.append(_VENDORED_TESTS)
 
 HELPER_MODULES = {
     "vllm_0_34_0": (

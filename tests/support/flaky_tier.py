@@ -3,7 +3,7 @@
 vLLM's in-memory example tier never fails a store (cascade) and fails a load (promotion) only
 when a chunk vanished; this subclass fails every ``FAIL_EVERY``-th job of each kind, so vLLM's own
 ``vllm:kv_offload_tiering_{cascade,promotion}_job_failures`` counters move. Loaded the way vLLM
-loads any out-of-tree tier: ``{"type": "FlakyTier", "module_path": "flaky_tier"}``.
+loads any out-of-tree tier: ``{"type": "FlakyTier", "module_path": "tests.support.flaky_tier"}``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DeferringTier(ExampleSecondaryTierManager):
     """A tier whose every promotion fails while its I/O may still write into the primary chunks, as a
     remote tier's cancelled read does: vLLM 0.34's ``JobResult.deferred_release`` (an event the tier
     sets once it can no longer write), so the manager drops the keys and holds their chunks
-    (``defer_write_release``). Loaded as ``{"type": "DeferringTier", "module_path": "flaky_tier"}``."""
+    (``defer_write_release``). Loaded as ``{"type": "DeferringTier", "module_path": "tests.support.flaky_tier"}``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -21,9 +21,9 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     ScheduleEndContext,
 )
-from vllm_env import key
 
 from kvobs.vllm import compat
+from tests.support.vllm_env import key
 
 
 def plain(value: Any) -> Any:

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
-from vllm_env import cpu_extra, create_manager, key
 
 import kvobs
 from kvobs.vllm import ObservedOffloadingManager
+from tests.support.vllm_env import cpu_extra, create_manager, key
 
 SLOTS = 4
 

@@ -1,7 +1,7 @@
-"""Find the live processes this test session started (issue 21), for the suite-wide check in conftest.py.
+"""Find the live processes this test session started (issue 21), for the suite-wide check in tests/conftest.py.
 
-Why here and not in conftest.py: a test of the check imports it (tests/ is on ``sys.path``, as for
-removals.py). An orphan is re-parented away from pytest, so looking at pytest's children does not
+Why here and not in conftest.py: a test of the check imports it (``tests.support.leaks``, as every
+helper of the suite). An orphan is re-parented away from pytest, so looking at pytest's children does not
 find it; its environment still does. Every process started during the session inherits
 ``SESSION_VAR`` (a token of this run) and ``TEST_VAR`` (the test that was running when it started).
 """

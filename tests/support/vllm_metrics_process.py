@@ -10,7 +10,7 @@ server's stat logger does with the stats EngineCore sends it.
 Simulated (the GPU worker cannot run here): the worker's job-completion reports, and the
 transfer statistics in them (per job: one chunk's bytes loaded, two stored; 1 ms each).
 
-Usage: python vllm_metrics_process.py PORT [KVOBS_DIR]  (with KVOBS_DIR, kvobs journals there for a sidecar)
+Usage: python -m tests.support.vllm_metrics_process PORT [KVOBS_DIR]  (KVOBS_DIR: kvobs journals there for a sidecar)
 
 With KVOBS_VLLM_METRICS=1 in the environment, the kvobs option ``vllm_metrics`` is on: kvobs's own
 counters join vLLM's series as ``vllm:kv_offload_kvobs_*_total`` (kvobs/vllm/vllm_metrics.py).
@@ -23,9 +23,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from prometheus_client import start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
@@ -50,7 +47,7 @@ def main() -> None:
         "spec_name": "ObservedOffloadingSpec",
         "spec_module_path": "kvobs.vllm",
         "kvobs": options,
-        "secondary_tiers": [{"type": "FlakyTier", "module_path": "flaky_tier"}],
+        "secondary_tiers": [{"type": "FlakyTier", "module_path": "tests.support.flaky_tier"}],
         "tier_poll_interval_s": 0,
     }
     scheduler, spec, kv_cache_config = build_scheduler(extra, hybrid=True, num_full_groups=1, num_cpu_chunks=12)

@@ -179,3 +179,29 @@ class OtlpReceiver:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+SPAN = "kv_offload.prepare_load"  # the span of a failed load (kvobs/tracing.py)
+
+
+def value_of(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [value_of(v) for v in value.array_value.values]
+    return getattr(value, kind)
+
+
+def attrs(items: Any) -> dict[str, Any]:
+    return {kv.key: value_of(kv.value) for kv in items}
+
+
+def received(receiver: OtlpReceiver) -> list[tuple[dict[str, Any], Any]]:
+    """(resource attributes, span) of every failure span the receiver got."""
+    return [
+        (attrs(resource_spans.resource.attributes), span)
+        for request in receiver.requests
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+        if span.name == SPAN
+    ]

@@ -7,7 +7,7 @@ is vLLM's in-memory ExampleSecondaryTierManager plus that: each poll round it
 looks up the keys its "peer" wants through the parent manager, which starts
 promotions from the other tiers, and promotions evict primary chunks, on the
 poll thread, with no OffloadingManager method of the wrapper on the stack.
-Loaded the way vLLM loads any out-of-tree tier: ``{"type": "PeerTier", "module_path": "peer_tier"}``.
+Loaded the way vLLM loads any out-of-tree tier: ``{"type": "PeerTier", "module_path": "tests.support.peer_tier"}``.
 """
 
 from __future__ import annotations

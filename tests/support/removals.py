@@ -1,7 +1,7 @@
 """Record a removal batch on an Observer from a test, as the policy taps would (queued, then drained).
 
-Test-only, so it lives here rather than on ``kvobs.observer.Observer``. tests/ is on ``sys.path``
-(pytest puts the directory of tests/conftest.py there), so every test directory imports it.
+Test-only, so it lives here rather than on ``kvobs.observer.Observer``; every test directory imports it
+(``from tests.support.removals import ...``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """A stand-in EngineCore process: drives a real observed vLLM manager, then (optionally) dies
 on the failed load exactly as EngineCore does (the AssertionError is not caught).
 
-Usage: python engine_process.py DIR ENGINE ROUNDS fail|ok
+Usage: python -m tests.support.engine_process DIR ENGINE ROUNDS fail|ok  (the repository root on sys.path)
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, key
 
 import kvobs
+from tests.support.vllm_env import cpu_extra, create_manager, key
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Real parts: the manager (bare CPUOffloadingManager, or kvobs through the plugin)
 AssertionError it raises, vLLM's logging configuration and process-name decoration, and the
 ``logger.exception`` call EngineCore's busy loop makes (vllm/v1/engine/core.py). Output: stdout.
 
-Usage: python crash_log.py bare|kvobs missing|not_ready DP [KVOBS_DIR]
+Usage: python -m tests.support.crash_log bare|kvobs missing|not_ready DP [KVOBS_DIR]
 Environment: CRASH_LOG_FORMATTER=json for vLLM's JSON log formatter (``--logging-config.formatter
 json``); CRASH_LOG_QUOTE_KEY=1 for a victim key whose repr uses double quotes (it holds a ``'``).
 """
@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging, init_logger
 from vllm.utils.system_utils import decorate_logs
 from vllm.v1.kv_offload.base import ReqContext
-from vllm_env import cpu_extra, create_manager, key, observed_extra
+
+from tests.support.vllm_env import cpu_extra, create_manager, key, observed_extra
 
 
 def main() -> None:
