@@ -36,7 +36,7 @@ venv: $(STAMP)
 # torch 2.13.0 CPU build first, then vLLM without its GPU dependencies, then the deps its
 # scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
 # its hot path, kvobs/hot_path.py, with mypyc).
-$(STAMP): pyproject.toml setup.py kvobs/hot_path.py requirements/vllm-$(VLLM_VERSION).txt
+$(STAMP): pyproject.toml setup.py kvobs/__init__.py kvobs/hot_path.py requirements/vllm-$(VLLM_VERSION).txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
 	@echo "Setting up $(VENV) (vLLM $(VLLM_VERSION) for CPU-only use; a few minutes the first time):"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

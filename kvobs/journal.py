@@ -320,8 +320,8 @@ class JournalSink(Sink):
     def _totals(self) -> str:
         """The totals line of the latest snapshot, with the count this sink keeps itself (its drops)."""
         snapshot = self._snapshot
-        counters = {} if snapshot is None else {key: dict(counts) for key, counts in snapshot.counters.items()}
-        counters.setdefault("dropped", {})["journal"] = self.dropped
+        counters = {} if snapshot is None else dict(snapshot.counters)  # the snapshot's maps are its own copies
+        counters["dropped"] = {**counters.get("dropped", {}), "journal": self.dropped}
         return encode_totals(
             self.writer, time.time(), counters,
             history_keys=0 if snapshot is None else snapshot.history_keys,

@@ -142,7 +142,7 @@ def test_totals_stay_exact_whatever_the_number_of_writers_of_one_engine(tmp_path
     writers = []
     for _ in range(20):
         observer = Observer(Options(engine="shared"))
-        sink = JournalSink(directory, observer, "test")
+        sink = JournalSink(directory, observer.options, "test")
         observer.add_sink(sink)
         writers.append((observer, sink))
     for round_ in range(30):

@@ -40,7 +40,7 @@ def _fail(observer: Observer, sink: JournalSink, req_id: str = "req-f") -> None:
 
 def _engine(directory: Path, **options: Any) -> tuple[Observer, JournalSink]:
     observer = Observer(Options(**options))
-    sink = JournalSink(directory, observer, "test")
+    sink = JournalSink(directory, observer.options, "test")
     observer.add_sink(sink)
     return observer, sink
 

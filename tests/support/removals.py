@@ -38,7 +38,7 @@ def journal_one_removal(directory: Path, *, engine: str = "0", model_name: str =
     from kvobs.journal import JournalSink
 
     observer = Observer(Options(engine=engine, model_name=model_name))
-    sink = JournalSink(directory, observer)
+    sink = JournalSink(directory, observer.options)
     observer.add_sink(sink)
     record_removal(observer, [os.urandom(36)], "capacity", "store", "r", [0.5])
     sink.close()

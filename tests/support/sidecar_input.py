@@ -21,7 +21,7 @@ from tests.support.services import ROOT, free_port, http_get
 def write_engine(directory: Path, engine: str, removals: int, fail: bool = False) -> Observer:
     """An engine's journal (and a failure report when ``fail``), through kvobs's own writer."""
     observer = Observer(Options(engine=engine))
-    sink = JournalSink(directory, observer, "test")
+    sink = JournalSink(directory, observer.options, "test")
     observer.add_sink(sink)
     for i in range(removals):
         record_removal(observer, [i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"r{i}", [0.5])

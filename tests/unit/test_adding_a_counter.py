@@ -28,7 +28,7 @@ ENGINE_AND_SIDECAR = textwrap.dedent('''
     from kvobs.sidecar.metrics import KvobsCollector
 
     observer = Observer(Options(engine="dp0", model_name="m"))
-    sink = JournalSink(sys.argv[1], observer)
+    sink = JournalSink(sys.argv[1], observer.options)
     observer.add_sink(sink)
     for _ in range(3):
         observer.internal_error("journal", RuntimeError("a test's"))

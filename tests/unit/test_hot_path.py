@@ -15,7 +15,6 @@ from pathlib import Path
 import kvobs
 from kvobs import hot_path_loader
 from kvobs.journal import JournalSink
-from kvobs.observer import Observer
 from kvobs.options import Options
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
@@ -41,7 +40,7 @@ def test_without_the_compiled_form_kvobs_runs_the_source_and_says_so_once(tmp_pa
 
 
 def test_build_info_says_which_form_each_engine_runs(tmp_path: Path) -> None:
-    sink = JournalSink(tmp_path, Observer(Options(engine="dp0")), "0.33.0")
+    sink = JournalSink(tmp_path, Options(engine="dp0"), "0.33.0")
     sink.close()
     ingest = Ingest(tmp_path)
     ingest.poll()

@@ -28,7 +28,7 @@ def test_a_busy_engine_stays_within_its_journal_bound(tmp_path: Path) -> None:
     stays within its quarter (plus one line), and the process's files within disk_bound."""
     options = Options(engine="0", journal_bytes=2**20)
     observer = Observer(options)
-    sink = JournalSink(tmp_path, observer)
+    sink = JournalSink(tmp_path, observer.options)
     observer.add_sink(sink)
     for i in range(40_000):
         record_removal(observer, [i.to_bytes(32, "big") + b"\0\0\0\0"], "capacity", "store", f"request-{i}", [0.5])
@@ -52,7 +52,7 @@ def test_a_huge_report_is_cut_to_its_bound_and_still_read(tmp_path: Path) -> Non
     """A load of 5,000 missing keys with a 100 KB request id: the report fits REPORT_BYTES, says how
     many keys it does not list, keeps every key in its summary, and the sidecar reads it."""
     observer = Observer(Options(engine="3", model_name="meta-llama/Llama-3.1-8B"))
-    sink = JournalSink(tmp_path, observer)
+    sink = JournalSink(tmp_path, observer.options)
     observer.add_sink(sink)
     keys = [Unloadable(i.to_bytes(32, "big") + b"\0\0\0\1", 1, None, MISSING) for i in range(5_000)]
     diagnosis = observer.load_failed("Chunk b'x' not found in cache", "r" * 100_000, 5_000, None, keys, 0)

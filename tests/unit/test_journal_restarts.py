@@ -25,7 +25,7 @@ from kvobs.options import Options
 from tests.support.removals import record_removal
 
 observer = Observer(Options(dir=sys.argv[1], engine=sys.argv[2], journal_processes=int(sys.argv[3])))
-sink = JournalSink(sys.argv[1], observer)
+sink = JournalSink(sys.argv[1], observer.options)
 observer.add_sink(sink)
 for i in range(3):
     record_removal(observer, [bytes(32) + i.to_bytes(4, "big")], "capacity", "store", "r")

@@ -20,7 +20,7 @@ def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(tmp_pa
     writers = []
     for _ in range(2):
         observer = Observer(Options(dir=str(directory), engine="e0", journal_bytes=4 * 4096))  # roll often
-        sink = JournalSink(directory, observer)
+        sink = JournalSink(directory, observer.options)
         observer.add_sink(sink)
         writers.append((observer, sink))
     for i in range(600):
@@ -40,8 +40,8 @@ def test_two_writers_of_one_engine_in_one_process_keep_their_own_segments(tmp_pa
 
 
 def test_a_closed_writers_name_is_free_again(tmp_path: Path) -> None:
-    first = JournalSink(tmp_path, Observer(Options(engine="e1")))
+    first = JournalSink(tmp_path, Options(engine="e1"))
     first.close()
-    second = JournalSink(tmp_path, Observer(Options(engine="e1")))
+    second = JournalSink(tmp_path, Options(engine="e1"))
     second.close()
     assert {p.name.rsplit(".", 2)[0] for p in (tmp_path / "journal").glob("*.jsonl")} == {f"e1-{os.getpid()}"}

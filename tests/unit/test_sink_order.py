@@ -36,7 +36,7 @@ def _fail_once(directory: Path, order: str) -> tuple[dict[str, Any], Any, Failur
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     observer = Observer(Options(engine="0", model_name="m"))
-    journal = JournalSink(directory, observer)
+    journal = JournalSink(directory, observer.options)
     tracer = TracingSink(provider)
     other = Recording()
     sinks = {"journal_first": (journal, other, tracer), "tracer_first": (tracer, other, journal),

@@ -109,7 +109,7 @@ TOMORROW = textwrap.dedent('''
     from kvobs.options import Options
 
     observer = Observer(Options(engine="dp7", model_name="m"))
-    sink = JournalSink(sys.argv[1], observer)
+    sink = JournalSink(sys.argv[1], observer.options)
     observer.add_sink(sink)
     rounds = int(sys.argv[2])
     observer.counts["failures"]["cause_of_tomorrow"] += 2 * rounds
