@@ -238,6 +238,22 @@ def counter_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], f
     return found
 
 
+def counters_on_both(sidecar_text: str, vllm_text: str) -> dict[str, float] | None:
+    """kvobs's counters that the ``vllm_metrics`` option also puts on vLLM's ``/metrics``
+    (kvobs/metric_catalogue.py's ``ON_VLLM``): each one's total, by its name without ``kvobs_``, when
+    the sidecar's series equal vLLM's ``vllm:kv_offload_`` copies label for label; None while one
+    is missing or differs."""
+    from kvobs.metric_catalogue import ON_VLLM, VLLM_PREFIX
+
+    totals: dict[str, float] = {}
+    for name in ON_VLLM:
+        ours, theirs = counter_samples(sidecar_text, name), counter_samples(vllm_text, VLLM_PREFIX + name)
+        if not ours or ours != theirs:
+            return None
+        totals[name.removeprefix("kvobs_")] = sum(ours.values())
+    return totals
+
+
 def loaded_token_counts(metrics_text: str) -> list[float]:
     """vLLM's own counts of prompt tokens taken from the offload tier, from its ``/metrics`` page (the
     tokens-by-source counter, else the external prefix-cache hits of releases without it); empty when

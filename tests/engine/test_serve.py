@@ -24,11 +24,9 @@ from pathlib import Path
 import pytest
 
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, documents, offload_config
+from kvobs.demo.engine import VllmServer, counters_on_both, documents, offload_config
 from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
 from tests.support.services import SPAN, OtlpReceiver, Prometheus, Sidecar, attrs, http_get, received, wait_for
-
-COUNTERS = ("evicted_chunks", "load_failures", "hits_evicted_before_load")
 
 
 @dataclass
@@ -96,14 +94,7 @@ def test_serving_under_pressure_vllms_metrics_and_the_sidecar_agree(observed: Ob
 
     def agree() -> dict[str, float] | None:
         vllm_text, sidecar_text = observed.server.metrics(), http_get(f"{observed.sidecar.url}/metrics")[2].decode()
-        figures = {}
-        for counter in COUNTERS:
-            ours = samples(sidecar_text, f"kvobs_{counter}")
-            theirs = samples(vllm_text, f"vllm:kv_offload_kvobs_{counter}")
-            if not ours or ours != theirs:
-                return None
-            figures[counter] = sum(ours.values())
-        return figures
+        return counters_on_both(sidecar_text, vllm_text)
 
     figures = wait_for(agree, timeout=60, what="vLLM's kvobs counters equal to the sidecar's")
     assert figures["evicted_chunks"] > 0 and figures["load_failures"] == 0

@@ -57,11 +57,13 @@ from kvobs.demo.engine import (  # noqa: E402
     CPU_TIER_BYTES,
     VllmServer,
     counter_samples,
+    counters_on_both,
     documents,
     loaded_token_counts,
     offload_config,
     shared_prefix_workload,
 )
+from kvobs.metric_catalogue import ON_VLLM, VLLM_PREFIX  # noqa: E402
 
 MODE = os.environ.get("MODE", "gpu")
 OUT = Path(os.environ.get("OUT") or "/tmp/kvobs-gpu-out")
@@ -103,7 +105,6 @@ else:
 TIER_BYTES = CPU_TIER_BYTES if DTYPE == "float32" else CPU_TIER_BYTES // 2
 REFERENCE_PROMPTS = shared_prefix_workload(seed=1)  # tests/engine/conftest.py's
 HYBRID_PROMPTS = shared_prefix_workload(seed=3, documents_count=10, rounds=3)  # tests/engine/test_survive.py's
-COUNTERS = ("evicted_chunks", "load_failures", "hits_evicted_before_load")
 TRIGGER_ENV, FIRED_SUFFIX = "KVOBS_DEFECT_TRIGGER", ".fired"  # kvobs/demo/engine.py's
 
 
@@ -260,18 +261,7 @@ def outputs_check(c: Check, servers: dict[str, VllmServer]) -> None:
 def sidecar_check(c: Check, s: VllmServer, directory: Path) -> None:
     sidecar = Sidecar(directory, "kvobs")
     try:
-        def agree() -> dict[str, float] | None:
-            ours_text, theirs_text = sidecar.metrics(), s.metrics()
-            figures = {}
-            for counter in COUNTERS:
-                ours = samples(ours_text, f"kvobs_{counter}")
-                theirs = samples(theirs_text, f"vllm:kv_offload_kvobs_{counter}")
-                if not ours or ours != theirs:
-                    return None
-                figures[counter] = sum(ours.values())
-            return figures
-
-        figures = wait_for(agree, 60)
+        figures = wait_for(lambda: counters_on_both(sidecar.metrics(), s.metrics()), 60)
         text = sidecar.metrics()
         c.figures["build_info"] = [line for line in text.splitlines() if line.startswith("kvobs_build_info")][:2]
         c.figures["observing"] = [line for line in text.splitlines() if line.startswith("kvobs_observing")][:2]
@@ -280,8 +270,8 @@ def sidecar_check(c: Check, s: VllmServer, directory: Path) -> None:
             c.expect(figures["evicted_chunks"] > 0, "no eviction counted")
             c.expect(figures["load_failures"] == 0, "load failures counted in the healthy engine")
         else:
-            c.figures["sidecar"] = {k: samples(text, f"kvobs_{k}") for k in COUNTERS}
-            c.figures["vllm"] = {k: samples(s.metrics(), f"vllm:kv_offload_kvobs_{k}") for k in COUNTERS}
+            c.figures["sidecar"] = {k: samples(text, k) for k in ON_VLLM}
+            c.figures["vllm"] = {k: samples(s.metrics(), VLLM_PREFIX + k) for k in ON_VLLM}
         if RELEASE_EXPECTED:
             c.expect(any(f'vllm_version="{RELEASE_EXPECTED}"' in line for line in c.figures["build_info"]),
                      f"kvobs_build_info does not name vLLM {RELEASE_EXPECTED}")
