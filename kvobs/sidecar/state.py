@@ -25,9 +25,7 @@ from typing import Any
 from kvobs import __version__
 from kvobs.wire.decode import Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
-    MAX_LABEL_VALUES,
     MAX_SHORT_LABEL,
-    OTHER,
     TOTAL_LABELS,
     Ages,
     Hello,
@@ -36,6 +34,7 @@ from kvobs.wire.format import (
     Totals,
     Unknown,
     Writer,
+    add_counts,
     is_count,
     is_engine_label,
     is_hex_id,
@@ -58,14 +57,9 @@ EngineId = tuple[str, str]
 
 
 def _add(into: dict[str, dict[str, float]], counters: Mapping[str, Mapping[str, float]]) -> None:
-    """Sum ``counters`` into ``into``: past ``MAX_LABEL_VALUES`` values a newer writer added (of all
-    writers together), the rest go under ``OTHER``, as a line's do (kvobs.wire.format)."""
+    """Sum ``counters`` into ``into``, bounded as a line's maps are (kvobs.wire.format.add_counts)."""
     for name, counts in counters.items():
-        target = into.setdefault(name, {})
-        room = len(TOTAL_LABELS.get(name, ())) + MAX_LABEL_VALUES
-        for label, value in counts.items():
-            key = label if label in target or len(target) < room else OTHER
-            target[key] = target.get(key, 0.0) + value
+        add_counts(into.setdefault(name, {}), TOTAL_LABELS.get(name, ()), counts)
 
 
 @dataclass

@@ -39,7 +39,6 @@ from kvobs.wire.format import (
     MAX_BATCHES_PER_LINE,
     MAX_DETAIL,
     MAX_LABEL,
-    MAX_LABEL_VALUES,
     MAX_LINE_BYTES,
     MAX_REPORT_BYTES,
     MAX_REQ_ID,
@@ -59,6 +58,7 @@ from kvobs.wire.format import (
     Totals,
     Unknown,
     Writer,
+    add_counts,
     counter_map,
     fit_model_name,
     fit_req_id,
@@ -152,20 +152,15 @@ def _decode_totals(writer: Writer, time: float, record: Mapping[str, Any]) -> To
     extension = record.get(EXTENSION, {})
     if not isinstance(extension, dict):
         return None
-    for part in (record, extension):
-        for name, value in part.items():
-            if part is record and name not in TOTAL_LABELS:
-                continue
-            counts = counter_map(value)
-            if counts is None:
-                return None
-            if name not in TOTAL_LABELS:
-                unknown.append(unknown_item("counter", name))
-                continue
-            into = counters.setdefault(name, {})
-            for label, count in counts.items():
-                key = label if len(into) < len(TOTAL_LABELS[name]) + MAX_LABEL_VALUES or label in into else OTHER
-                into[key] = into.get(key, 0.0) + count
+    known_maps = [(name, value) for name, value in record.items() if name in TOTAL_LABELS]
+    for name, value in known_maps + list(extension.items()):  # the line's maps, then its extension's
+        counts = counter_map(value)
+        if counts is None:
+            return None
+        if name not in TOTAL_LABELS:
+            unknown.append(unknown_item("counter", name))
+            continue
+        add_counts(counters.setdefault(name, {}), TOTAL_LABELS[name], counts)
     keys, window, seq = record.get("hist_keys", 0), record.get("hist_window", 0.0), record.get("q", 0)
     if not is_count(keys) or not is_seconds(window) or not is_count(seq):
         return None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvobs.metric_catalogue import TOTALS
@@ -303,20 +303,28 @@ def fit_req_id(value: str | None) -> str | None:
     return value if value is None else fit_text(value, MAX_REQ_ID, "request id")
 
 
+def add_counts(into: dict[str, float], known: Collection[str], counts: Mapping[str, float]) -> None:
+    """Add ``counts`` into one counter map (of a line, or an engine's sum): a label value beyond the
+    ``known`` ones and :data:`MAX_LABEL_VALUES` others is summed under :data:`OTHER`, so a writer
+    cannot grow a reader's series without bound. The one place that bound is applied."""
+    room = len(known) + MAX_LABEL_VALUES
+    for label, count in counts.items():
+        key = label if label in into or len(into) < room else OTHER
+        into[key] = into.get(key, 0.0) + count
+
+
 def counter_map(value: Any) -> dict[str, float] | None:
     """A ``{label: count}`` map of a totals record, or None if an entry is not a short label and a count.
 
-    Label values it does not know are kept (a newer engine's): the caller tells them apart. Past
-    :data:`MAX_LABEL_VALUES` values the rest are summed under :data:`OTHER`.
+    Label values it does not know are kept (a newer engine's; the caller tells them apart): past
+    :data:`MAX_LABEL_VALUES` values the rest are summed under :data:`OTHER` (:func:`add_counts`).
     """
     if not isinstance(value, dict):
         return None
+    if not all(is_label(label, MAX_SHORT_LABEL) and is_count(count) for label, count in value.items()):
+        return None
     out: dict[str, float] = {}
-    for label, count in value.items():
-        if not is_label(label, MAX_SHORT_LABEL) or not is_count(count):
-            return None
-        key = label if len(out) < MAX_LABEL_VALUES or label in out else OTHER
-        out[key] = out.get(key, 0.0) + float(count)
+    add_counts(out, (), {label: float(count) for label, count in value.items()})
     return out
 
 
