@@ -208,12 +208,12 @@ class Observer:
     @property
     def evicted(self) -> Counter[str]:
         """Chunks removed, by reason (counted as they are queued: no drain needed)."""
-        return Counter(dict(zip(REASONS, self.recorder.totals()[0], strict=True)))
+        return Counter(self.counter("evicted"))
 
     @property
     def batches(self) -> Counter[str]:
         """Removal batches, by reason."""
-        return Counter(dict(zip(REASONS, self.recorder.totals()[1], strict=True)))
+        return Counter(self.counter("batches"))
 
     @property
     def near_misses(self) -> Counter[str]:
@@ -230,15 +230,21 @@ class Observer:
         """kvobs's own faults, by stage."""
         return self.counts["errors"]
 
-    def totals(self) -> dict[str, dict[str, int]]:
-        """Every engine counter now, by totals key (what the journal's totals lines and vLLM's stats carry):
-        :attr:`counts`, with what the recorder counts itself (removals, dropped verdicts) read from it."""
-        out = {key: dict(counts) for key, counts in self.counts.items()}
-        evicted, batches = self.recorder.totals()
-        out["evicted"] = dict(zip(REASONS, evicted, strict=True))
-        out["batches"] = dict(zip(REASONS, batches, strict=True))
-        out["dropped"]["verdicts"] = self.promises.dropped
+    def counter(self, key: str) -> dict[str, int]:
+        """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of
+        :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts)."""
+        if key == "evicted":
+            return dict(zip(REASONS, self.recorder.totals()[0], strict=True))
+        if key == "batches":
+            return dict(zip(REASONS, self.recorder.totals()[1], strict=True))
+        out = dict(self.counts[key])
+        if key == "dropped":
+            out["verdicts"] = self.promises.dropped
         return out
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Every engine counter now, by totals key (what the journal's totals lines carry)."""
+        return {key: self.counter(key) for key in self.counts}
 
     # -- recording -------------------------------------------------------
 

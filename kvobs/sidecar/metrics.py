@@ -80,20 +80,21 @@ class KvobsCollector(Collector):
             for identity, engine in sorted(state.engines.items()):
                 totals = engine.totals()
                 latest = engine.latest()
+                # Every cause of this engine: known, counted, or only in its reports (a newer engine's).
+                causes = _values(CAUSES, totals.get("failures", {}), engine.failure_times,
+                                 (c for c, _ in engine.missing))
                 for metric in COUNTED:
                     counts = totals.get(metric.totals, {})
                     family = counted[metric.name]
                     if metric.part:
                         family.add_metric([*identity], counts.get(metric.part, 0))
                         continue
-                    extra = (engine.failure_times, (c for c, _ in engine.missing)) if family is failures else ()
-                    for value in _values(metric.values, counts, *extra):
+                    for value in causes if family is failures else _values(metric.values, counts):
                         exemplar = _exemplar(engine.exemplars.get(value)) if family is failures else None
                         family.add_metric([*identity, value], counts.get(value, 0), exemplar=exemplar)
                 for reason in _values(REASONS, engine.residency):
                     _hist(residency, [*identity, reason], engine.residency.get(reason))
-                for cause in _values(CAUSES, totals.get("failures", {}), engine.failure_times,
-                                     (c for c, _ in engine.missing)):
+                for cause in causes:
                     newest_t, previous_t = engine.failure_times.get(cause, (0.0, 0.0))
                     newest_failure.add_metric([*identity, cause], newest_t)
                     previous_failure.add_metric([*identity, cause], previous_t)

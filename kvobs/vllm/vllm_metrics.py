@@ -103,8 +103,8 @@ class StatsTap:
 
     def totals(self) -> dict[str, dict[str, int]]:
         """kvobs's counters now, by declared name and label value (the observer's, by the catalogue's totals key)."""
-        counts = self._observer.totals()
-        return {VLLM_PREFIX + metric.name: counts[metric.totals] for metric in ON_VLLM_METRICS}
+        observer = self._observer  # only the counters it reports: this runs on the scheduler thread
+        return {VLLM_PREFIX + metric.name: observer.counter(metric.totals) for metric in ON_VLLM_METRICS}
 
     def increments(self) -> list[tuple[str, str, int]]:
         """(name, label value, increment) since the last call; remembered as reported."""
