@@ -100,6 +100,9 @@ METRICS: tuple[MetricDef, ...] = (
               "1 while kvobs observes the engine's offload manager, 0 when it stepped aside (reason: why)."),
     MetricDef("kvobs_engine_last_record_timestamp_seconds", "gauge", (),
               "Wall time of the newest record from each engine."),
+    MetricDef("kvobs_engine_start_timestamp_seconds", "gauge", (),
+              "Wall time from which the engine's counters count: the earliest writer start (hello) the sidecar "
+              "has read; count queries count a series new in their window in full when this is inside it."),
     MetricDef("kvobs_last_load_failure_timestamp_seconds", "gauge", ("cause",),
               "Wall time of the newest failed load by cause (0: none); alerts read this, not when Prometheus "
               "first saw the counter move."),

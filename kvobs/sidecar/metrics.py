@@ -74,6 +74,7 @@ class KvobsCollector(Collector):
         newest_failure = _family("kvobs_last_load_failure_timestamp_seconds")
         previous_failure = _family("kvobs_previous_load_failure_timestamp_seconds")
         last = _family("kvobs_engine_last_record_timestamp_seconds")
+        started = _family("kvobs_engine_start_timestamp_seconds")
         ingest = self.ingest
         with ingest.lock:
             state = ingest.state
@@ -109,6 +110,8 @@ class KvobsCollector(Collector):
                     build.add_metric([*identity, hello.version, hello.vllm_version, hello.hot_path], 1)
                     observing.add_metric([*identity, hello.reason], 1 if hello.observing else 0)
                 last.add_metric([*identity], engine.last_record_time)
+                if engine.started:  # unknown (no hello read): count queries fall back to the first scrape
+                    started.add_metric([*identity], engine.started)
             skipped = dict(state.skipped)
             unknown = Counter(item.partition(":")[0] for item in state.unknown)
             records = state.records
@@ -118,7 +121,7 @@ class KvobsCollector(Collector):
             unreadable = len(ingest.unreadable)
         yield from counted.values()
         yield from (missing, age, residency, hist_chunks, hist_window)
-        yield from (build, observing, last, newest_failure, previous_failure)
+        yield from (build, observing, last, started, newest_failure, previous_failure)
         ingested = _family("kvobs_sidecar_records")
         ingested.add_metric([], records)
         yield ingested

@@ -75,6 +75,10 @@ class EngineState:
     live: dict[str, LiveWriter] = field(default_factory=dict)  # "pid/run" -> its latest totals
     retired: dict[str, dict[str, float]] = field(default_factory=dict)  # summed totals of writers gone
     hello: Hello | None = None
+    started: float = 0.0
+    """The earliest writer start (hello time) read for this engine, 0 before any: its counters count
+    from then (every writer counts from zero and they are summed), so a count query counts a series
+    new in its window in full when the engine started inside it (dashboards/promql.py)."""
     last_record_time: float = 0.0
     groups: set[str] = field(default_factory=set)
     residency: dict[str, Histogram] = field(default_factory=dict)  # reason
@@ -162,8 +166,11 @@ class SidecarState:
             have = state.live.get(writer)
             if have is None or record.newer_than(have.totals):  # by the writer's sequence, not read order
                 state.live[writer] = LiveWriter(stem, record)
-        elif isinstance(record, Hello) and (state.hello is None or record.time >= state.hello.time):
-            state.hello = record  # the newest writer's, whatever was read first
+        elif isinstance(record, Hello):
+            if state.hello is None or record.time >= state.hello.time:
+                state.hello = record  # the newest writer's, whatever was read first
+            if not state.started or record.time < state.started:
+                state.started = record.time
 
     def retire_writers(self, stems_present: set[str]) -> None:
         """Writers none of whose journal files exist any more cannot write again: sum them up."""
@@ -219,6 +226,7 @@ class SidecarState:
                     },
                     "retired": e.retired,
                     "hello": None if e.hello is None else _hello_json(e.hello),
+                    "started": e.started,
                     "last_record_time": e.last_record_time,
                     "groups": sorted(e.groups),
                     "residency": {r: h.to_json() for r, h in e.residency.items()},
@@ -350,6 +358,7 @@ class _Restore:
             if restored is None:
                 raise ValueError("bad hello")
             engine.hello = restored
+        engine.started = self._seconds(e.get("started", 0.0))  # absent from older checkpoints: unknown
         engine.last_record_time = self._seconds(e.get("last_record_time"))
         groups = e.get("groups")
         if not isinstance(groups, list) or not all(isinstance(g, str) and g.isdigit() for g in groups):
