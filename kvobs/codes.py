@@ -63,8 +63,13 @@ STAGES: tuple[str, ...] = (
     "shutdown",
     "hook",
     "survive",
+    "record.store",
 )
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
+
+TIERS: tuple[str, ...] = ("cpu",)
+"""The offload tiers kvobs counts stores and loads of (the ``tier`` label): the CPU tier, the one it
+observes; a tiering manager's secondary tiers (file system, remote) are not observed (README, "Metrics")."""
 
 DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
 """Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``)."""

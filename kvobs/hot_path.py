@@ -325,6 +325,16 @@ class Recorder:
         """Whether batches keep each key's residency (only while a sink needs it)."""
         self._evicted = [0] * len(REASONS)
         self._batches = [0] * len(REASONS)
+        self._unread = [0] * len(REASONS)
+        self.stored = 0
+        """Chunks the CPU tier took to store (``prepare_store``'s ``keys_to_store``)."""
+        self.loaded = 0
+        """Chunks loaded from the CPU tier (``prepare_load`` calls that succeeded)."""
+        # A bit per CPU-tier slot: set when its chunk is loaded, cleared when the chunk is removed, so a
+        # removal tells a chunk never read since its store (issue 29: "is the tier doing anything").
+        self._read = bytearray((max(0, num_stamps) + 7) >> 3)
+        self.chunk_of: Callable[[bytes], Any] | None = None
+        """The CPU tier's chunk for a key (its policy's ``get``), set when the policy is hooked."""
         # Which tapped call is running: (path code, request context, thread id), or None.
         self.frame: tuple[int, Any, int] | None = None
         self._new_columns()
@@ -367,6 +377,10 @@ class Recorder:
         """(chunks removed, removal batches) by reason code, counted as batches are queued."""
         return list(self._evicted), list(self._batches)
 
+    def unread(self) -> list[int]:
+        """Chunks removed that were never loaded since their store, by reason code."""
+        return list(self._unread)
+
     def removal(
         self,
         keys: list[bytes],
@@ -377,9 +391,11 @@ class Recorder:
         path: int = -1,
         req_id: str | None = None,
         unlisted: bool = False,
+        chunk_ids: Sequence[int] | None = None,
     ) -> None:
         """Queue one removal batch (``path`` -1: from the frame). ``unlisted``: a reset whose keys
-        could not be listed, taken as a removal of every key."""
+        could not be listed, taken as a removal of every key. ``chunk_ids``: the removed chunks'
+        slots, whose read bits say which were never loaded; None: none was (a store that failed)."""
         if not 0 <= reason < _NUM_REASONS:
             raise ValueError(f"bad reason code {reason}")
         if path < 0:
@@ -415,6 +431,21 @@ class Recorder:
                     self._q_res.extend([_UNKNOWN] * n)
             self._evicted[reason] += n
             self._batches[reason] += 1
+            read = self._read
+            if unlisted:
+                read[:] = bytes(len(read))  # nothing to tell the chunks apart by: none counts as unread
+            elif chunk_ids is None:
+                self._unread[reason] += n
+            else:
+                size = len(read) << 3
+                unread = n
+                for cid in chunk_ids:
+                    if 0 <= cid < size:
+                        bit = 1 << (cid & 7)
+                        if read[cid >> 3] & bit:
+                            read[cid >> 3] ^= bit
+                            unread -= 1
+                self._unread[reason] += unread
             full = len(queued) >= self._drain_keys or len(reqs) >= self._drain_batches
         finally:
             lock.release()
@@ -435,6 +466,25 @@ class Recorder:
             stamp = stamps[cid] if 0 <= cid < size else 0.0
             out.append(now - stamp if stamp else _UNKNOWN)
         return out
+
+    def mark_loaded(self, keys: Any) -> None:
+        """A load of ``keys`` succeeded: counted, and each chunk's read bit set."""
+        chunk_of = self.chunk_of
+        lock = self._lock
+        lock.acquire()
+        try:
+            self.loaded += len(keys)
+            if chunk_of is not None:
+                read = self._read
+                size = len(read) << 3
+                for key in keys:
+                    chunk = chunk_of(key)
+                    if chunk is not None:
+                        cid = chunk.chunk_id
+                        if 0 <= cid < size:
+                            read[cid >> 3] |= 1 << (cid & 7)
+        finally:
+            lock.release()
 
     def stamp(self, chunk_id: int, now: float) -> None:
         """The chunk slot was filled now."""
@@ -457,6 +507,10 @@ class Recorder:
         """``method(keys, req_context, ...)`` (``prepare_store``, ``complete_store``): removals under it
         are attributed to ``path`` and the request."""
         return KeysTap(self, inner, path)
+
+    def store_tap(self, inner: Callable[..., Any], *, path: int) -> StoreTap:
+        """``prepare_store(keys, req_context)``: as :meth:`keys_tap`, and counts the chunks it took to store."""
+        return StoreTap(self, inner, path)
 
     def request_tap(self, inner: Callable[..., Any], *, path: int) -> RequestTap:
         """``on_request_finished(req_context, **kw)``: removals under it attributed; then the request is gone."""
@@ -550,6 +604,28 @@ class KeysTap:
             rec.frame = before
 
 
+class StoreTap:
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int) -> None:
+        self.rec = rec
+        self.inner = inner
+        self.path = path
+
+    def __call__(self, keys: Any, req_context: Any) -> Any:
+        rec = self.rec
+        before = rec.frame
+        rec.frame = (self.path, req_context, get_ident())
+        try:
+            result = self.inner(keys, req_context)
+        finally:
+            rec.frame = before
+        if result is not None:
+            try:
+                rec.stored += len(result.keys_to_store)  # kvobs.vllm.compat.STORED_FIELD
+            except Exception as exc:
+                rec.on_error("record.store", exc)
+        return result
+
+
 class RequestTap:
     def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int) -> None:
         self.rec = rec
@@ -617,6 +693,10 @@ class LoadTap:
                 raise
             return instead  # survive mode's decision, made once, in the failure callback
         self.redeem(keys, req_context)
+        try:
+            self.rec.mark_loaded(keys)
+        except Exception as exc:
+            self.rec.on_error("record.load", exc)
         return result
 
     def redeem(self, keys: Any, req_context: Any) -> None:
@@ -665,8 +745,8 @@ class EvictTap(PolicyTap):
             try:
                 now = monotonic()
                 keys = [key for key, _ in evicted]
-                ages = rec.ages([chunk.chunk_id for _, chunk in evicted], now) if rec.keep_residency else None
-                rec.removal(keys, CAPACITY, ages, now)
+                ids = [chunk.chunk_id for _, chunk in evicted]
+                rec.removal(keys, CAPACITY, rec.ages(ids, now) if rec.keep_residency else None, now, chunk_ids=ids)
             except Exception as exc:
                 rec.on_error("record.removal", exc)
         return evicted
@@ -736,8 +816,9 @@ class ClearTap(PolicyTap):
         result = self.inner(*args, **kwargs)
         try:
             now = monotonic()
-            ages = rec.ages([chunk.chunk_id for _, chunk in listed], now) if rec.keep_residency else None
-            rec.removal([key for key, _ in listed], RESET, ages, now, unlisted=unlisted)
+            ids = [chunk.chunk_id for _, chunk in listed]
+            ages = rec.ages(ids, now) if rec.keep_residency else None
+            rec.removal([key for key, _ in listed], RESET, ages, now, unlisted=unlisted, chunk_ids=ids)
         except Exception as exc:
             rec.on_error("record.removal", exc)
         return result

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES
+from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, TIERS
 
 ENGINE_LABELS = ("model_name", "engine")
 """vLLM's own identity labels, with vLLM's values: kvobs_* series join vllm:* series on them."""
@@ -79,6 +79,21 @@ METRICS: tuple[MetricDef, ...] = (
               values=REASONS, totals="near", counted="Observer.near_missed (kvobs/observer.py)", on_vllm=True),
     MetricDef("kvobs_history_chunks", "gauge", (), "Keys in the eviction history."),
     MetricDef("kvobs_history_window_seconds", "gauge", (), "How far back the eviction history reaches."),
+    MetricDef("kvobs_stored_chunks", "counter", ("tier",),
+              "Chunks written to an offload tier (a store the tier took: prepare_store's keys_to_store).",
+              values=TIERS, totals="stored", counted="StoreTap (kvobs/hot_path.py)"),
+    MetricDef("kvobs_loaded_chunks", "counter", ("tier",),
+              "Chunks loaded back from an offload tier (prepare_load calls that succeeded).",
+              values=TIERS, totals="loaded", counted="Recorder.mark_loaded (kvobs/hot_path.py)"),
+    MetricDef("kvobs_stored_bytes", "counter", ("tier",),
+              "Bytes of tier capacity those stored chunks took (chunks times the spec's kv_bytes_per_chunk).",
+              values=TIERS, totals="stored_bytes", counted="Observer.counter (stored chunks x chunk bytes)"),
+    MetricDef("kvobs_loaded_bytes", "counter", ("tier",),
+              "Bytes of tier capacity those loaded chunks held (chunks times the spec's kv_bytes_per_chunk).",
+              values=TIERS, totals="loaded_bytes", counted="Observer.counter (loaded chunks x chunk bytes)"),
+    MetricDef("kvobs_evicted_unread_chunks", "counter", ("reason",),
+              "Chunks removed from the CPU tier never loaded since their store (write waste), by reason.",
+              values=REASONS, totals="unread", counted="Recorder.removal's read bits (kvobs/hot_path.py)"),
     MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded.",
               values=DROP_STAGES, totals="dropped",
               counted="JournalSink._enqueue (journal), the recorder's promises (verdicts)"),

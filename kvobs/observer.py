@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from kvobs.codes import PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS
+from kvobs.codes import PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Recorder, RemovalRun, Verdict
@@ -24,6 +24,7 @@ from kvobs.options import Options
 from kvobs.survive import RecomputeLedger
 
 logger = logging.getLogger("kvobs")
+CPU_TIER = TIERS[0]
 
 STATS_EVERY_S = 1.0
 FAILURE_WAIT_S = 2.0
@@ -167,6 +168,9 @@ class Observer:
         """The engine's counters, one per totals key of kvobs/metric_catalogue.py, every label value present
         from the start, so readers on other threads can copy them while they change (their size never
         does). The recorder counts removals itself (:meth:`totals` reads them from it)."""
+        self.chunk_bytes = 0
+        """Bytes of one CPU-tier chunk, set by the spec that sized the tier (kvobs.vllm.compat.chunk_bytes);
+        0 (bytes counters stay 0) where nothing says."""
         self.history_stats: HistoryStats = self._history.stats()
         self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour, self.counts["survive"])
         """Survive mode's ledger (its counts stay zero unless the ``survive`` option turned loads into recomputes)."""
@@ -233,10 +237,16 @@ class Observer:
     def counter(self, key: str) -> dict[str, int]:
         """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of
         :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts)."""
+        rec = self.recorder
         if key == "evicted":
-            return dict(zip(REASONS, self.recorder.totals()[0], strict=True))
+            return dict(zip(REASONS, rec.totals()[0], strict=True))
         if key == "batches":
-            return dict(zip(REASONS, self.recorder.totals()[1], strict=True))
+            return dict(zip(REASONS, rec.totals()[1], strict=True))
+        if key == "unread":
+            return dict(zip(REASONS, rec.unread(), strict=True))
+        if key in ("stored", "loaded", "stored_bytes", "loaded_bytes"):
+            chunks = rec.stored if key.startswith("stored") else rec.loaded
+            return {CPU_TIER: chunks * self.chunk_bytes if key.endswith("_bytes") else chunks}
         out = dict(self.counts[key])
         if key == "dropped":
             out["verdicts"] = self.promises.dropped

@@ -59,6 +59,7 @@ in all four releases).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Mapping
@@ -66,7 +67,7 @@ from contextvars import ContextVar
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput, ReqContext
 
 if TYPE_CHECKING:
     from kvobs.hot_path_loader import Recorder
@@ -122,7 +123,7 @@ class Method(NamedTuple):
     name: str
     tap: str
     """How kvobs forwards it (:data:`TAP_KINDS`): ``pass`` (the inner manager's own bound method:
-    nothing to record), ``lookup``, ``load``, ``keys``, ``request``, ``call`` (kvobs's taps of
+    nothing to record), ``lookup``, ``load``, ``store``, ``keys``, ``request``, ``call`` (kvobs's taps of
     ``kvobs.hot_path_loader``, of those names), ``shutdown`` (the wrapper's own: also closes the observer)."""
     path: str | None
     """The removal path (``kvobs.codes.PATHS``) a tapped call marks removals under; None: not tapped."""
@@ -139,7 +140,11 @@ class Method(NamedTuple):
     manager's methods."""
 
 
-TAP_KINDS = ("pass", "lookup", "load", "keys", "request", "call", "shutdown")
+STORED_FIELD = "keys_to_store"
+"""``PrepareStoreOutput``'s list of the chunks a store writes (every release 0.30-0.34): the ``store`` tap
+(``kvobs.hot_path.StoreTap``) counts them."""
+
+TAP_KINDS = ("pass", "lookup", "load", "store", "keys", "request", "call", "shutdown")
 
 PROTOCOL: tuple[Method, ...] = (
     Method("lookup", "lookup", "lookup", (b"", None), ("exclude_tier_idx",)),
@@ -147,7 +152,7 @@ PROTOCOL: tuple[Method, ...] = (
     Method("prepare_load", "load", None, ((), None)),
     Method("touch", "pass", None, None, everywhere=False),
     Method("complete_load", "pass", None, None),
-    Method("prepare_store", "keys", "store", ((), None)),
+    Method("prepare_store", "store", "store", ((), None)),
     Method("complete_store", "keys", "complete_store", ((), None, True)),
     Method("on_new_request", "pass", None, None),
     Method("on_request_finished", "request", "schedule_end", (None,), ("exclude_tier_idx",)),
@@ -195,6 +200,13 @@ def policy_of(cpu: Any) -> Any:
     return cpu._policy
 
 
+def chunk_bytes(spec: Any) -> int:
+    """Bytes of one CPU-tier chunk as the spec sized the tier (``kv_bytes_per_chunk``, aligned; 0 if the
+    spec does not say): what kvobs's ``*_bytes`` counters count per chunk."""
+    value = getattr(spec, "kv_bytes_per_chunk", 0)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def num_chunks(cpu: Any) -> int:
     """Slots of the CPU tier (residency stamps are kept per slot)."""
     return int(cpu._num_chunks)
@@ -239,6 +251,9 @@ def check(manager: OffloadingManager) -> None:
         if not _takes(method, args):
             raise ProtocolMismatch(f"{type(manager).__name__}.{name}{inspect.signature(method)} does not take "
                                    f"{len(args)} positional arguments as kvobs forwards them")
+    if STORED_FIELD not in {f.name for f in dataclasses.fields(PrepareStoreOutput)}:
+        raise ProtocolMismatch(f"vLLM {VLLM_VERSION}'s PrepareStoreOutput has no {STORED_FIELD} "
+                               "(kvobs counts stores by it)")
     if TieringOffloadingManager is not None and isinstance(manager, TieringOffloadingManager) \
             and cpu_tier_of(manager) is None:
         raise ProtocolMismatch("TieringOffloadingManager without a CPU primary_tier")
@@ -282,6 +297,7 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     from kvobs.hot_path_loader import ClearTap, DeferredReleaseTap, EvictTap, InsertTap, RemoveTap
 
     policy = cpu._policy
+    recorder.chunk_of = policy.get  # a load's chunks, for their read bits (OffloadKey is bytes at run time)
     remove = RemoveTap(recorder, policy.remove, lambda key: policy.get(OffloadKey(key)))
     taps: list[tuple[str, Callable[..., Any]]] = [
         ("evict", EvictTap(recorder, policy.evict)),

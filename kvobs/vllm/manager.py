@@ -64,6 +64,8 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
                                         marks_frame=compat.lookup_can_remove(inner))
         elif kind == "load":
             taps[name] = rec.load_tap(method, on_failure=load_failed, on_near=observer.near_missed)
+        elif kind == "store":
+            taps[name] = rec.store_tap(method, path=path)
         elif kind == "keys":
             taps[name] = rec.keys_tap(method, path=path)
         elif kind == "request":

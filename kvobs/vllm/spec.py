@@ -145,6 +145,9 @@ class ObservedOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             inner = self.inner_spec.get_manager()
             self._manager = observe_or_step_aside(inner, self.kvobs_options)
+            observer = getattr(self._manager, "observer", None) if self._manager is not inner else None
+            if observer is not None:
+                observer.chunk_bytes = compat.chunk_bytes(self.inner_spec)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
