@@ -1,0 +1,46 @@
+"""kvobs's recording rules (dashboards/rules/kvobs-recording.yaml), as data.
+
+Naming: level:metric:operations (https://prometheus.io/docs/practices/rules/). "engine" is the level:
+every rule keeps the engine's identity (:attr:`Config.identity`) plus the label named after it (reason,
+cause). The count (``:increase1h``) is :func:`dashboards.promql.increase_rule`'s exact form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dashboards import promql
+from dashboards.config import Config
+
+COMMENT = """\
+# kvobs recording rules: aggregations for alerts, ad-hoc queries and one dashboard panel ("Near misses
+# and failures per engine"; the dashboard's other panels read the raw series and work without them).
+# Naming: level:metric:operations (https://prometheus.io/docs/practices/rules/). "engine" is the level:
+# every rule keeps cluster and namespace (so Thanos/Mimir never merge clusters), job and instance (the
+# scrape), model_name and engine (vLLM's labels, exported by the sidecar), plus the label named after it
+# (reason, cause). engine_cause:kvobs_load_failures:increase1h is an exact count (dashboards/promql.py),
+# not increase()'s extrapolation. docker/k8s/prometheusrule.yaml carries these groups too.
+"""
+
+
+def rules(config: Config) -> dict[str, Any]:
+    """The rule file's document."""
+    engine = ", ".join(config.identity)
+
+    def quantile(q: float, metric: str, by: str, window: str) -> str:
+        return f"histogram_quantile({q},\n  sum by (le, {by}) (rate({metric}_bucket[{window}])))\n"
+
+    return {"groups": [{"name": "kvobs.recording", "rules": [
+        {"record": "engine_reason:kvobs_evicted_chunks:rate5m",
+         "expr": f"sum by ({engine}, reason) (rate(kvobs_evicted_chunks_total[5m]))"},
+        {"record": "engine_reason:kvobs_hits_evicted_before_load:rate5m",
+         "expr": f"sum by ({engine}, reason) (rate(kvobs_hits_evicted_before_load_total[5m]))"},
+        {"record": "engine_cause:kvobs_load_failures:increase1h",
+         "expr": promql.increase_rule("kvobs_load_failures_total", f"{engine}, cause", "1h")},
+        {"record": "engine_reason:kvobs_chunk_residency_seconds:p50_rate5m",
+         "expr": quantile(0.5, "kvobs_chunk_residency_seconds", f"{engine}, reason", "5m")},
+        {"record": "engine_reason:kvobs_chunk_residency_seconds:p99_rate5m",
+         "expr": quantile(0.99, "kvobs_chunk_residency_seconds", f"{engine}, reason", "5m")},
+        {"record": "engine:kvobs_missing_chunk_eviction_age_seconds:p99_rate1h",
+         "expr": quantile(0.99, "kvobs_missing_chunk_eviction_age_seconds", engine, "1h")},
+    ]}]}
