@@ -235,6 +235,7 @@ def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path,
     for run in runs:
         console.line(f"  {run.setup.engine} ({run.setup.spec}): {run.requests} requests in {run.seconds:.1f}s")
         console.line(f"    evicted chunks: {_nonzero(run.evicted)}")
+        console.line(f"    the CPU tier, in chunks: {_nonzero(run.tier)}")
         console.line(f"    near misses (hits evicted before their load): {_nonzero(run.near_misses)}")
         console.line(f"    failed loads by cause: {_nonzero(run.failures)}")
         if run.setup.incident:

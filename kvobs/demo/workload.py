@@ -114,6 +114,8 @@ class EngineRun:
     failures: dict[str, int] = field(default_factory=dict)
     removals_by_path: dict[str, int] = field(default_factory=dict)
     """Removal batches by the manager call they happened in (those the history still details)."""
+    tier: dict[str, int] = field(default_factory=dict)
+    """Chunks stored into and loaded from the CPU tier, and removed unread (issue 29)."""
     incident_failed: bool = False
 
 
@@ -208,6 +210,9 @@ def run_engine(
         observer = manager.observer
         run.requests, run.seconds = traffic.admitted, time.monotonic() - started
         run.evicted, run.near_misses = dict(observer.evicted), dict(observer.near_misses)
+        run.tier = {"stored": sum(observer.counter("stored").values()),
+                    "loaded": sum(observer.counter("loaded").values()),
+                    "evicted unread": sum(observer.counter("unread").values())}
         run.failures = dict(observer.failures)
         return run
 

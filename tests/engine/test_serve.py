@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, counters_on_both, documents, offload_config
+from kvobs.demo.engine import VllmServer, counter_samples, counters_on_both, documents, offload_config
 from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
 from tests.support.services import SPAN, OtlpReceiver, Prometheus, Sidecar, attrs, http_get, received, wait_for
 
@@ -112,6 +112,31 @@ def test_serving_under_pressure_vllms_metrics_and_the_sidecar_agree(observed: Ob
     assert [(b["metric"]["hot_path"], b["metric"]["vllm_version"], b["metric"]["model_name"]) for b in build] == [
         ("compiled", engine_release, SERVED)]
     assert prom.value(f'kvobs_observing{{model_name="{SERVED}"}}') == 1
+
+
+def test_the_tier_counters_agree_with_vllms_own_store_and_load_bytes(observed: Observed) -> None:
+    """Issue 29: kvobs's chunks stored into and loaded from the CPU tier are what vLLM's own transfer
+    counters (``vllm:kv_offload_store_bytes``/``load_bytes``, counted by the worker as it copies) say,
+    one chunk's bytes each (the engine offloads one GPU block per chunk, so no load is partial)."""
+    completions(observed.server, REFERENCE_PROMPTS)
+
+    def figures() -> tuple[float, float, float, float, float] | None:
+        vllm_text, sidecar_text = observed.server.metrics(), http_get(f"{observed.sidecar.url}/metrics")[2].decode()
+        stored_bytes = sum(counter_samples(vllm_text, "vllm:kv_offload_store_bytes").values())
+        loaded_bytes = sum(counter_samples(vllm_text, "vllm:kv_offload_load_bytes").values())
+        stored = sum(counter_samples(sidecar_text, "kvobs_stored_chunks").values())
+        loaded = sum(counter_samples(sidecar_text, "kvobs_loaded_chunks").values())
+        kvobs_bytes = sum(counter_samples(sidecar_text, "kvobs_stored_bytes").values())
+        if not (stored and loaded and stored_bytes and loaded_bytes) or stored_bytes / stored != loaded_bytes / loaded:
+            return None  # a store still in flight at the worker, or the sidecar not caught up
+        return stored_bytes, loaded_bytes, stored, loaded, kvobs_bytes
+
+    stored_bytes, loaded_bytes, stored, loaded, kvobs_bytes = wait_for(
+        figures, timeout=60, what="vLLM's store and load bytes a whole number of kvobs's chunks, the same per chunk")
+    per_chunk = stored_bytes / stored
+    assert per_chunk == int(per_chunk) > 0 and loaded_bytes == loaded * per_chunk
+    # kvobs's bytes are the tier's capacity per chunk (the spec's kv_bytes_per_chunk, aligned): never less.
+    assert kvobs_bytes / stored >= per_chunk
 
 
 def test_the_engine_dies_on_the_assertion_and_kvobs_explains_it(observed: Observed, tmp_path: Path) -> None:
