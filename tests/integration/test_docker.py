@@ -239,7 +239,9 @@ def test_compose_prometheus_alerts_through_the_stacks_alertmanager() -> None:
         "groups"] for r in g["rules"]}
     for rule in config.get("inhibit_rules", []):
         for matcher in rule["source_matchers"] + rule["target_matchers"]:
-            if matcher.startswith("alertname="):
+            if matcher.startswith("alertname=~"):  # a regex, anchored as Alertmanager anchors it
+                assert any(re.fullmatch(matcher.split("=~", 1)[1].strip('"'), name) for name in alert_names), matcher
+            elif matcher.startswith("alertname="):
                 assert matcher.split("=", 1)[1].strip('"') in alert_names, matcher
     # A routed amtool test: repeated load failures go to the critical receiver, a warning to the default.
     for labels, receiver in ((["severity=critical", "alertname=KvobsLoadFailuresRepeated"], "kvobs-critical"),
@@ -284,7 +286,7 @@ def test_compose_traces_go_through_the_otel_collector_to_jaeger() -> None:
 
 
 def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
-    docs = list(yaml.safe_load_all((DOCKER / "k8s" / "vllm-kvobs.yaml").read_text()))
+    docs = list(yaml.safe_load_all((DOCKER / "k8s" / "base" / "vllm-kvobs.yaml").read_text()))
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     vllm, sidecar = pod["containers"]
@@ -302,14 +304,14 @@ def test_kubernetes_example_runs_the_sidecar_in_the_vllm_pod() -> None:
     # No model annotation any more: the labels come from the sidecar.
     assert not deployment["spec"]["template"]["metadata"].get("annotations")
 
-    monitor = yaml.safe_load((DOCKER / "k8s" / "podmonitor.yaml").read_text())
+    monitor = yaml.safe_load((DOCKER / "k8s" / "base" / "podmonitor.yaml").read_text())
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     jobs = {e["port"]: next(r["replacement"] for r in e["relabelings"] if r["targetLabel"] == "job")
             for e in monitor["spec"]["podMetricsEndpoints"]}
     assert jobs == {"kvobs-metrics": "kvobs"}  # the sidecar only: scraping vLLM is the operator's (issue 20)
 
     # Debian's promtool is built without Kubernetes discovery, so this file is checked by structure.
-    plain = yaml.safe_load((DOCKER / "k8s" / "prometheus-scrape.yaml").read_text())
+    plain = yaml.safe_load((DOCKER / "prometheus" / "kubernetes-scrape.yml").read_text())
     assert {job["job_name"] for job in plain["scrape_configs"]} == set(jobs.values())
     port_of = {job: port for port, job in jobs.items()}
     for job in plain["scrape_configs"]:
