@@ -15,9 +15,12 @@ counter values (integers, no extrapolation):
             (a sidecar restart or scrape gap in between changes nothing: the sidecar resumes its
             counters from its checkpoint and the journals, and the gap's events are counted once,
             at the first scrape after it), else
-            0 when the engine started inside the window (``kvobs_engine_start_timestamp_seconds``,
-            the earliest writer start the sidecar has read: a new pod, a new engine, a counter
-            already non-zero at its first scrape counts in full), else
+            0 when the engine started after the last scrape Prometheus has of its sidecar before the
+            window (that scrape's ``kvobs_sidecar_last_poll_timestamp_seconds``; with none, after
+            the window's start) by ``kvobs_engine_start_timestamp_seconds``, the earliest writer
+            start the sidecar has read: every event of the engine was first shown inside the window,
+            so a new pod, a new engine, a counter already non-zero at its first scrape count in
+            full, else
             0 when Prometheus knew the engine at the window's start but not this series (a label
             value first seen inside the window), else
             the first value seen in the window (Prometheus knows nothing of the engine before it:
@@ -38,6 +41,10 @@ import re
 
 ENGINE_START = "kvobs_engine_start_timestamp_seconds"
 """The sidecar's per-engine gauge of when the engine's counters began (kvobs/metric_catalogue.py)."""
+SIDECAR_POLL = "kvobs_sidecar_last_poll_timestamp_seconds"
+"""When the sidecar's last ingest round ended: what a scrape of it had read (0 before its first round)."""
+SIDECAR_ON = "cluster, namespace, job, instance"
+"""The labels that identify one sidecar's scrape."""
 ENGINE_ON = "cluster, namespace, job, instance, model_name, engine"
 """The labels that identify one engine's series from one sidecar (the sidecar's scrape keeps them)."""
 LOOKBACK = "1h"
@@ -74,8 +81,11 @@ def counted(metric: str, selector: str, window: str, since: str, lookback: str =
     sel = series(metric, selector)
     if metric.startswith("kvobs_"):
         end = f"max_over_time({sel}[{window}])"
+        began = f"min_over_time({ENGINE_START}[{window}])"
+        new = (f"{began} > on ({SIDECAR_ON}) group_left max_over_time({SIDECAR_POLL}[{lookback}] offset {window})"
+               f" or {began} > {since}")
         start = (f"max_over_time({sel}[{lookback}] offset {window})"
-                 f" or (0 * {end} and on ({ENGINE_ON}) (min_over_time({ENGINE_START}[{window}]) > {since}))"
+                 f" or (0 * {end} and on ({ENGINE_ON}) ({new}))"
                  f" or (0 * {end} and on ({ENGINE_ON}) max_over_time({ENGINE_START}[{lookback}] offset {window}))"
                  f" or min_over_time({sel}[{window}])")
         return f"clamp_min({end} - ({start}), 0)"
