@@ -23,7 +23,13 @@ else an explicit empty context (EngineCore inherits a stale startup
 ``traceparent``; notes §5).
 
 The span carries the request id as vLLM's own spans do (``gen_ai.request.id``,
-vLLM's ``SpanAttributes.GEN_AI_REQUEST_ID``) and as ``kv_offload.req_id``.
+vLLM's ``SpanAttributes.GEN_AI_REQUEST_ID``) and as ``kv_offload.req_id``. By OpenTelemetry's
+semantic conventions it also carries ``error.type`` (the cause: kvobs's class of the error, one of
+``kvobs.codes.CAUSES``, low-cardinality as the convention asks; the exception's own type is the
+``exception`` event's ``exception.type``), the served model as ``gen_ai.request.model`` (the GenAI
+conventions' name; left out when kvobs knows no model name) and the engine label as ``kvobs.engine``
+(no convention names a data-parallel engine index); its status is ERROR with the cause and vLLM's
+message as description.
 Its ids go into the failure event every sink receives (``kvobs.observer.FailureEvent``), so into
 the failure report too: the observer asks every sink's ``start_failure`` before any ``on_failure``,
 and this sink starts the span there (:meth:`TracingSink.start_failure`), so the report and the
@@ -40,11 +46,13 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvobs.diagnosis import Diagnosis
 from kvobs.observer import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, FailureEvent, Sink
+from kvobs.wire.format import fit_model_name
 
 logger = logging.getLogger("kvobs")
 
@@ -52,6 +60,13 @@ SPAN_NAME = "kv_offload.prepare_load"
 EVENT_NAME = "kv_offload.missing_chunks"
 REQUEST_ID = "gen_ai.request.id"
 """vLLM's own spans' request id attribute (``vllm.tracing.SpanAttributes.GEN_AI_REQUEST_ID``)."""
+REQUEST_MODEL = "gen_ai.request.model"
+"""The GenAI semantic conventions' model attribute. Not imported: opentelemetry-semantic-conventions
+still has it (``_incubating...gen_ai_attributes.GEN_AI_REQUEST_MODEL``, private and marked as moved to
+the GenAI conventions' own repository, which has no Python package); tests/unit/test_span_semconv.py
+checks it is the same name while the package has it."""
+ENGINE = "kvobs.engine"
+"""The ``engine`` label of kvobs's series (vLLM's engine index, or the ``engine`` option)."""
 DEFAULT_SERVICE_NAME = "kvobs"
 EXPORTERS = ("otlp", "console")
 """The ``OTEL_TRACES_EXPORTER`` values kvobs builds (and ``none``)."""
@@ -182,8 +197,11 @@ class TracingSink(Sink):
 
     stage = "tracing"
 
-    def __init__(self, tracer_provider: Any = None) -> None:
+    def __init__(self, tracer_provider: Any = None, engine: str | None = None, model_name: str | None = None) -> None:
+        """``engine`` and ``model_name``: the labels of this engine's series, set on its spans."""
         self._given = tracer_provider
+        self.engine = engine
+        self.model_name = fit_model_name(model_name or "")  # as the journal's writer labels the engine
         self._from_env: Any = None
         self._env_read = False
         self._straggler: threading.Thread | None = None
@@ -256,6 +274,11 @@ class TracingSink(Sink):
             span.set_attribute(REQUEST_ID, diagnosis.failure.req_id)
             span.set_attribute("kv_offload.req_id", diagnosis.failure.req_id)
             span.set_attribute("kv_offload.cause", diagnosis.cause)
+            span.set_attribute(ERROR_TYPE, diagnosis.cause)
+            if self.engine is not None:
+                span.set_attribute(ENGINE, self.engine)
+            if self.model_name:
+                span.set_attribute(REQUEST_MODEL, self.model_name)
             # Survive mode: vLLM recomputes the load, and the assertion never leaves kvobs.
             span.set_attribute("kv_offload.recomputed", diagnosis.failure.recomputed)
             span.record_exception(exc, escaped=not diagnosis.failure.recomputed)

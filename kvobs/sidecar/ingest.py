@@ -4,7 +4,9 @@ Picks up engines that start later (new files), keeps what it has when they die, 
 the position of rotated-away files, and checkpoints its state (with every file position)
 atomically, so a restart neither loses nor double counts. One file it cannot read (another
 uid's, a symlink, a damaged report) is skipped, counted by source and reason, and named
-once in the log; the others are read as usual.
+once in the log; the others are read as usual. Each report read is logged once as a structured
+line (``kvobs.sidecar.logs.FailureLines``), and a round that read one checkpoints at once, so a
+restarted sidecar does not log it again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvobs.files import private_dir, write_durably
+from kvobs.sidecar.logs import FailureLines
 from kvobs.sidecar.state import SidecarState, load_checkpoint
 from kvobs.wire.decode import JournalPosition, list_reports, read_new_records, read_report
 from kvobs.wire.format import FAILURES_DIR, JOURNAL_DIR, JOURNAL_SUFFIX, stem_of
@@ -67,6 +70,7 @@ class Ingest:
             restored = SidecarState()
             restored.skipped["checkpoint", "corrupt"] += 1
         self.state = restored or SidecarState()
+        self.failure_lines = FailureLines(logger)
         self.last_poll = 0.0
         self._last_checkpoint = time.monotonic()
         self._stop = threading.Event()
@@ -112,9 +116,11 @@ class Ingest:
         for path in files:
             self._read_journal(path, *positions[path.name])
         with self.lock:
-            self._read_reports()
+            new_reports = self._read_reports()
             self.last_poll = time.time()
-        if time.monotonic() - self._last_checkpoint >= CHECKPOINT_EVERY_S:
+        self.failure_lines.write()  # outside the lock: a slow log pipe never holds up a scrape
+        # A report's line is logged once: its name is in the checkpoint as soon as the line is out.
+        if new_reports or time.monotonic() - self._last_checkpoint >= CHECKPOINT_EVERY_S:
             self.checkpoint()
 
     def _read_journal(self, path: Path, offset: int, skipping: bool) -> None:
@@ -156,8 +162,10 @@ class Ingest:
                 self.state.positions[path.name] = (offset, skipping)
             time.sleep(0)  # hand the GIL to a waiting scrape between slices
 
-    def _read_reports(self) -> None:
+    def _read_reports(self) -> int:
+        """Fold the reports not read yet, taking each one's line (FailureLines); how many were folded."""
         state = self.state
+        folded = 0
         try:
             _check_listable(self.dir / FAILURES_DIR)  # list_reports() would hide it as an empty directory
             self.unreadable.pop(str(self.dir / FAILURES_DIR), None)
@@ -173,7 +181,9 @@ class Ingest:
         for name in [n for n in self.unreadable if f"/{FAILURES_DIR}/" in n and n not in present]:
             del self.unreadable[name]  # an unreadable report that is gone (rotated out) is no longer a problem
         for path in paths:
-            if path.name in state.reports_seen:
+            # A folded report is remembered by its id (SidecarState.apply_report), a skipped file by its name:
+            # checking the name alone read every report again each round (and would log it again).
+            if path.stem in state.reports_seen or path.name in state.reports_seen:
                 continue
             try:
                 report = read_report(path)
@@ -188,6 +198,9 @@ class Ingest:
                 self._skip("report", "corrupt", path, exc)
                 continue
             state.apply_report(report)
+            self.failure_lines.take(report)
+            folded += 1
+        return folded
 
     def checkpoint(self) -> None:
         """Save the state; a checkpoint it cannot write (another uid's file or directory) is reported as

@@ -28,6 +28,14 @@ from kvobs.wire.format import (
 
 MAX_FAILURES = 1_000
 DEFAULT_FAILURES = 100
+FAILURES_PATH = "/api/v1/failures"
+"""The reports' endpoint; one report is at :func:`report_path`."""
+
+
+def report_path(report_id: str) -> str:
+    """Where the sidecar serves one report (``GET /api/v1/failures/<id>``): its log line names it."""
+    return f"{FAILURES_PATH}/{report_id}"
+
 MAX_FIELDS = 64
 _NUMBER = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:[eE][+-]?[0-9]{1,3})?")
 """A plain decimal number (also as ``repr`` writes a float): no sign, ``_``, spaces, nan or inf."""

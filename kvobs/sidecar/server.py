@@ -19,6 +19,9 @@ round runs in the ingest thread, not before the server starts). Kubernetes's liv
 /healthz: restarting the sidecar for a slow ingest would not make it read faster, and while a
 container restarts its pod is not Ready, which takes vLLM out of its Service.
 
+``GET /api/v1/failures/<id>``: one report as the list serves it (404 if there is none of that id); the
+sidecar's log line of each failure names it.
+
 ``GET /api/v1/failures``: failure reports, newest first, as ``{"failures": [...], "next": URL|null}``.
 Each report is the file the engine wrote (every field of the message), plus its ``id`` (the
 file's stem; ids sort by time) and, per group of ``missing_summary.ages``, the histogram's
@@ -74,9 +77,9 @@ from prometheus_client.exposition import choose_encoder
 from kvobs.codes import BUCKETS
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
-from kvobs.sidecar.query import DEFAULT_FAILURES, QueryError, parse_params
+from kvobs.sidecar.query import DEFAULT_FAILURES, FAILURES_PATH, QueryError, parse_params
 from kvobs.wire.decode import Report, read_report, report_files
-from kvobs.wire.format import FAILURES_DIR, report_time_ms
+from kvobs.wire.format import FAILURES_DIR, REPORT_ID, REPORT_SUFFIX, report_time_ms
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -230,6 +233,17 @@ def failure_page(failures_dir: Path, query: FailureQuery) -> tuple[list[dict[str
         page.append(served_report(report, report_id))
         size += file_size
     return page, None
+
+
+def one_report(failures_dir: Path, report_id: str) -> dict[str, Any] | None:
+    """The report ``report_id`` as /api/v1/failures serves it, or None when there is no such readable
+    report (an id kvobs does not write, a name that is not one, a file gone or damaged)."""
+    if not REPORT_ID.fullmatch(report_id):
+        return None
+    try:
+        return served_report(read_report(failures_dir / (report_id + REPORT_SUFFIX)), report_id)
+    except (OSError, ValueError):
+        return None
 
 
 HEALTHZ_UNREADABLE = 20
@@ -393,8 +407,18 @@ class Handler(BaseHTTPRequestHandler):
             failures, cursor = failure_page(self.server.ingest.dir / FAILURES_DIR, query)
             next_url = None if cursor is None else query.next_url(cursor)
             self._json(HTTPStatus.OK, {"failures": failures, "next": next_url})
+        elif url.path.startswith(FAILURES_PATH + "/"):
+            if not self._authorized():
+                return
+            report_id = url.path[len(FAILURES_PATH) + 1:]
+            served = one_report(self.server.ingest.dir / FAILURES_DIR, report_id)
+            if served is None:
+                self._json(HTTPStatus.NOT_FOUND, {"error": f"no report {report_id[:200]!r} (ids: /api/v1/failures)"})
+            else:
+                self._json(HTTPStatus.OK, served)
         elif url.path == "/":
-            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures"]})
+            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures",
+                                                     "/api/v1/failures/<id>"]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
 

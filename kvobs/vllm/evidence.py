@@ -33,7 +33,7 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
             observer.internal_error("journal", exc)
     from kvobs.tracing import TracingSink
 
-    observer.add_sink(TracingSink(options.tracer_provider))
+    observer.add_sink(TracingSink(options.tracer_provider, options.engine, options.model_name))
     if cpu is not None:
         compat.hook_policy(cpu, observer.recorder, stamp_inserts=observer.recorder.keep_residency)
     return observer

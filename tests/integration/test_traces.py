@@ -221,6 +221,42 @@ def test_failure_counter_exemplar_carries_the_trace_id_the_backend_received(
         provider.shutdown()
 
 
+def test_the_span_carries_the_semantic_conventions_attributes(tmp_path: Path, receiver: OtlpReceiver) -> None:
+    """error.type (the cause), the served model as gen_ai.request.model, the engine label as kvobs.engine,
+    status ERROR with a description; no model attribute where kvobs knows no model name."""
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces")))
+    named = kvobs.observe(create_manager(cpu_extra(4)), dir=str(tmp_path / "a"), engine="0", model_name="m-a",
+                          tracer_provider=provider)
+    unnamed = kvobs.observe(create_manager(cpu_extra(2)), dir=str(tmp_path / "b"), engine="dp1",
+                            tracer_provider=provider)
+    try:
+        writer, victim = ReqContext("writer"), ReqContext("req-a")
+        for context in (writer, victim):
+            named.on_new_request(context)
+        evicted_after_lookup_then_coverage_mismatch(named, writer, victim)
+        other = ReqContext("req-b")
+        unnamed.on_new_request(other)
+        with pytest.raises(AssertionError, match="cause: coverage_mismatch"):
+            unnamed.prepare_load([key(1)], other)
+    finally:
+        named.shutdown()
+        unnamed.shutdown()
+        provider.shutdown()
+    spans = {(attrs(s.attributes)["kvobs.engine"], attrs(s.attributes)["kv_offload.cause"]): s
+             for _, s in received(receiver)}
+    assert set(spans) == {("0", "evicted_after_lookup"), ("0", "coverage_mismatch"), ("dp1", "coverage_mismatch")}
+    for (engine, cause), span in spans.items():
+        found = attrs(span.attributes)
+        assert found["error.type"] == cause  # kvobs's class of the error; the exception's type is in its event
+        assert {e.name: attrs(e.attributes) for e in span.events}["exception"]["exception.type"] == "AssertionError"
+        assert span.status.code == 2 and span.status.message.startswith(f"{cause}: Chunk ")  # ERROR
+        if engine == "0":
+            assert found["gen_ai.request.model"] == "m-a"
+        else:
+            assert "gen_ai.request.model" not in found
+
+
 def test_an_unsampled_failure_span_is_not_linked(tmp_path: Path) -> None:
     """A span the sampler dropped reaches no backend: the report and the sidecar name no trace."""
     directory = tmp_path / "kvobs"

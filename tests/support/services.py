@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -66,13 +67,15 @@ class Sidecar:
         self.args = args
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (open for the life of the process and after)
+        """Its standard error, a file: a pipe nobody reads would block its logging once full."""
 
     def start(self) -> Sidecar:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a deployment's volume exists before it starts
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(self.dir), "--port", str(self.port),
              *self.args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.stderr,
         )
         wait_for(lambda: http_get(f"{self.url}/healthz")[0] == 200, what="sidecar /healthz")
         return self
@@ -85,6 +88,11 @@ class Sidecar:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=15)
+
+    def log_lines(self) -> list[str]:
+        """What it has written to standard error so far, by line."""
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace").splitlines()
 
 
 class Prometheus:
