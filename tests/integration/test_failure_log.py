@@ -122,3 +122,22 @@ def test_one_json_line_per_ingested_failure_and_none_again_after_restarts(tmp_pa
     sidecar = Sidecar(directory).start()
     wait_for(lambda: failure_count(sidecar) == 4, what="the restored counts")
     assert failure_lines(stop(sidecar)) == []
+
+
+def test_one_report_by_id_is_guarded_like_the_list_and_takes_only_report_ids(tmp_path: Path) -> None:
+    directory = tmp_path / "kvobs"
+    fail(directory, "0", "m-a", "req-a")
+    (report_id,) = (p.stem for p in (directory / "failures").glob("*.json"))
+    (directory / "failures" / "notes.json").write_text("{}")  # a file that is not a report
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    sidecar = Sidecar(directory, "--token-file", str(token_file)).start()
+    try:
+        path = f"{sidecar.url}/api/v1/failures/{report_id}"
+        assert http_get(path)[0] == 401
+        status, _, body = http_get(path, {"Authorization": "Bearer s3cret"})
+        assert status == 200 and json.loads(body)["id"] == report_id and json.loads(body)["req_id"] == "req-a"
+        for other in ("notes", "..%2Fsidecar-state", "../sidecar-state", f"{report_id}.json", ""):
+            assert http_get(f"{sidecar.url}/api/v1/failures/{other}", {"Authorization": "Bearer s3cret"})[0] == 404
+    finally:
+        sidecar.stop()
