@@ -121,6 +121,7 @@ class ObservedOffloadingManager(OffloadingManager):
         put(self, "_kvobs_survival", survival)
         if survival is not None:  # prepare_load's decision comes back from _kvobs_load_failed
             taps["complete_load"] = survival.complete_through(taps["complete_load"])
+            taps["reset_cache"] = survival.reset_through(taps["reset_cache"])
         put(self, "_kvobs_taps", taps)
         for name, tap in taps.items():
             put(self, name, tap)

@@ -6,7 +6,9 @@ the first chunk it cannot read, with the keys before it pinned; kvobs unpins the
 them again through vLLM's own ``prepare_load`` (the present prefix loads as usual), and the load
 tap returns that source padded with a filler slot for the rest (the manager's failure callback
 decides, once: the assertion is caught once), so the connector's load job keeps its shape.
-It remembers the keys it did not pin, so ``complete_load`` unpins only what was pinned.
+It remembers the keys it did not pin, so ``complete_load`` unpins only what was pinned; a
+``reset_cache()`` forgets them (vLLM never completes a load from before a reset, and its manager
+drops every pin there).
 
 The connector's part (``kvobs/vllm/connector.py``, which arms it): with one KV cache group, the GPU
 blocks from the first unreadable chunk on (what the filler wrote, and everything after it that
@@ -102,6 +104,20 @@ class Survival:
             return complete(keys, req_context)
 
         return complete_load
+
+    def reset_through(self, reset: Callable[[], Any]) -> Callable[[], Any]:
+        """``reset_cache`` that also forgets the keys not pinned: vLLM never calls ``complete_load`` for a
+        load from before a reset (its scheduler skips those jobs' reports) and the reset drops every
+        pin, so a key kept here would filter a later load's real pin out of its ``complete_load`` and
+        leave that chunk pinned for good (issue 31, class 1)."""
+
+        def reset_cache() -> Any:
+            try:
+                return reset()
+            finally:
+                self._unpinned.clear()
+
+        return reset_cache
 
     def _take_unpinned(self, key: Any) -> bool:
         if self._unpinned[key] <= 0:

@@ -265,3 +265,55 @@ def test_several_kv_cache_groups_recompute_the_whole_request(monkeypatch: pytest
         compat.release_step(scheduler.connector_scheduler)
     finally:
         scheduler.shutdown()
+
+
+def test_a_reset_before_the_survived_load_completes_leaks_no_pin(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Issue 31, class 1: a load is survived, then the cache is reset (``/reset_prefix_cache``, an RL
+    weight sync) before the workers report that load, so vLLM never calls its ``complete_load``. The
+    same prompts are stored and loaded again afterwards: their loads' pins must all come off. Before
+    the fix kvobs kept the keys it had not pinned and took them out of those later ``complete_load``
+    calls, so every such event left a prompt's chunks pinned for good: here 4 events pin the whole
+    CPU tier (16 chunks), and a new prompt is no longer offloaded (``prepare_store`` returns None)."""
+    scheduler, _worker, trigger = connectors(monkeypatch, tmp_path, defect="LoadEvictsSpec")
+    manager = scheduler.connector_scheduler.manager
+    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=False))
+    serial = iter(range(1000))
+
+    def run(prompt: list[int], *, reset: bool = False) -> int:
+        """One request of ``prompt`` from admission to its stores reported; the tokens it loaded.
+        ``reset``: the cache is reset right after its load goes out, before the workers report it."""
+        request = driver.make_request(f"req-{next(serial)}", prompt)
+        steps.step([request])
+        for _ in range(8):  # the connector asks again (None) while this prompt's stores are in flight
+            if steps.num_external_tokens[request.request_id] is not None:
+                break
+            steps.report_all_worker_jobs()
+            steps.step()
+        if reset:
+            scheduler.reset_cache()
+        steps.report_all_worker_jobs()
+        steps.step()
+        steps.report_all_worker_jobs()
+        steps.finish(request)
+        steps.step()
+        steps.report_all_worker_jobs()
+        return steps.num_external_tokens[request.request_id] or 0
+
+    prompts = [list(range(1000 * i + 1, 1000 * i + 4 * driver.BLOCK_SIZE + 2)) for i in range(4)]
+    try:
+        for event, prompt in enumerate(prompts):
+            assert not run(prompt)  # stored
+            trigger.touch()  # the next load finds its first chunk gone: none of its 4 chunks pinned
+            assert run(prompt, reset=True), "the load was survived"
+            assert manager.observer.recomputes.counts["loads"] == event + 1
+        for prompt in prompts:  # no reset from here on: each prompt stored again and loaded whole
+            run(prompt)
+            assert run(prompt) == 4 * driver.BLOCK_SIZE
+
+        fresh = list(range(90001, 90001 + 4 * driver.BLOCK_SIZE + 2))
+        assert not run(fresh)
+        assert run(fresh) == 4 * driver.BLOCK_SIZE, "the CPU tier still takes a new prompt"
+        assert manager.survival is not None and not manager.survival._unpinned
+    finally:
+        scheduler.shutdown()
