@@ -100,6 +100,10 @@ tools: prometheus
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
 	@amtool --version 2>&1 | head -1
+	@# docker/k8s's overlays are built by `kubectl kustomize` (kustomize v3.7+ for components: kubectl 1.21+;
+	@# Debian's kubernetes-client is 1.20): tests/unit/test_k8s_manifests.py needs it.
+	@command -v kubectl >/dev/null || { echo "make tools: kubectl 1.21 or newer is missing (the docker/k8s tests build the overlays with kubectl kustomize); install it from https://kubernetes.io/docs/tasks/tools/"; exit 1; }
+	@kubectl version --client 2>&1 | head -1
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvobs tests benchmarks

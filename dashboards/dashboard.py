@@ -156,7 +156,7 @@ def panels(config: Config) -> list[Spec]:
         timeseries_panel(13, "Near misses and failures per engine",
                          "Near misses next to the failures they precede, per engine. The near misses come from the "
                          "recording rule engine_reason:kvobs_hits_evicted_before_load:rate5m: this panel needs "
-                         "dashboards/rules/kvobs-recording.yaml loaded (docker/k8s/prometheusrule.yaml in "
+                         "dashboards/rules/kvobs-recording.yaml loaded (docker/k8s/base/prometheusrule.yaml in "
                          "Kubernetes). The load-failure lines come from either metrics path (the sidecar's "
                          "kvobs_load_failures_total, or vLLM's vllm:kv_offload_kvobs_load_failures_total with the "
                          "kvobs option vllm_metrics; the sidecar's where both are scraped); the near-miss lines "

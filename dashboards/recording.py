@@ -19,7 +19,7 @@ COMMENT = """\
 # every rule keeps cluster and namespace (so Thanos/Mimir never merge clusters), job and instance (the
 # scrape), model_name and engine (vLLM's labels, exported by the sidecar), plus the label named after it
 # (reason, cause). engine_cause:kvobs_load_failures:increase1h is an exact count (dashboards/promql.py),
-# not increase()'s extrapolation. docker/k8s/prometheusrule.yaml carries these groups too.
+# not increase()'s extrapolation. docker/k8s/base/prometheusrule.yaml carries these groups too.
 """
 
 

@@ -477,7 +477,7 @@ def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: 
     # The first ingest round runs in the worker, not before serve_forever(): it can take minutes (a long
     # journal replay), and /livez must answer from the bind. A pod is Ready only when every container
     # is, and a container with a startup probe only once that passes: a sidecar that answered late
-    # would hold the whole vLLM pod NotReady (docker/k8s/vllm-kvobs.yaml gives it liveness only).
+    # would hold the whole vLLM pod NotReady (docker/k8s/base/vllm-kvobs.yaml gives it liveness only).
     if ready is not None:
         ready(http_url(host, server.server_address[1], "/metrics"))
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
