@@ -106,7 +106,7 @@ tools: prometheus
 	@kubectl version --client 2>&1 | head -1
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvobs tests benchmarks
+	$(VENV)/bin/ruff check kvobs tests benchmarks dashboards docker
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
