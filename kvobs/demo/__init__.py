@@ -103,19 +103,26 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+SIDECAR_LOG = "sidecar.log"
+"""The demo's sidecar logs into its directory: a pipe nobody reads stops a sidecar once full (it logs a
+line per failure report)."""
+
+
 def _start_sidecar(directory: Path, port: int) -> subprocess.Popen[bytes]:
-    """``kvobs serve`` as a child that ends with the demo, whatever ends the demo (``kvobs.children``)."""
-    return start_child(
-        [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    """``kvobs serve`` as a child that ends with the demo, whatever ends the demo (``kvobs.children``);
+    its log appended to ``directory / SIDECAR_LOG``."""
+    with open(directory / SIDECAR_LOG, "ab") as log:
+        return start_child(
+            [sys.executable, "-m", "kvobs.cli", "serve", "--dir", str(directory), "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )
 
 
-def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
+def _wait_until_up(sidecar: subprocess.Popen[bytes], url: str, directory: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if sidecar.poll() is not None:
-            err = sidecar.stderr.read().decode(errors="replace") if sidecar.stderr else ""
+            err = (directory / SIDECAR_LOG).read_bytes()[-4000:].decode(errors="replace")
             raise RuntimeError(f"the sidecar exited ({sidecar.returncode}): {err.strip()[-500:]}")
         try:
             _get(f"{url}/healthz")
@@ -159,7 +166,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         logging.getLogger("kvobs").setLevel(logging.CRITICAL)
         logging.getLogger("vllm").setLevel(logging.ERROR)
         console.line(f"kvobs demo: vLLM {vllm_version} loaded in {time.monotonic() - started:.1f} s")
-        _wait_until_up(sidecar, url)
+        _wait_until_up(sidecar, url, directory)
         console.line(f"kvobs demo on vLLM {vllm_version}: the real OffloadingConnectorScheduler and offload managers, "
                      "on CPU")
         console.line(f"  sidecar:  {url}/metrics   kvobs directory: {directory}")

@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
                         served_model_name=SERVED, python_path=(Path(__file__).resolve().parents[2],),
                         env={TRIGGER_ENV: str(trigger)})
     try:
-        _wait_until_up(sidecar, url)
+        _wait_until_up(sidecar, url, directory)
         _say(f"  sidecar: {url}/metrics (kvobs serve --dir {directory})")
         _say("  vllm serve ... --kv-transfer-config '" + json.dumps(config) + "'")
         _say("  starting vLLM (API server, EngineCore, worker: about a minute on two cores) ...")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvobs.sidecar.logs import FAILURE_LINES_BURST
 from tests.support.services import ROOT, OtlpReceiver, free_port, http_get
 from tests.support.vllm_env import VLLM
 
@@ -83,6 +84,11 @@ def test_demo_names_both_defect_classes_through_the_real_scheduler(tmp_path: Pat
     causes = {"coverage_mismatch", "evicted_after_lookup"} if VLLM >= (0, 31) else {"coverage_mismatch"}
     assert causes <= {r["cause"] for r in reports}
     assert {r["engine"] for r in reports} >= {"dp0", "dp2" if VLLM >= (0, 31) else "dp1"}
+    # The sidecar's log (a file: a pipe nobody read stopped it once full) has a JSON line per report.
+    lines = [json.loads(line) for line in (directory / "sidecar.log").read_text().splitlines() if line.startswith("{")]
+    logged = [line["report_id"] for line in lines if line["event"] == "kvobs.load_failure"]
+    assert set(logged) <= {p.stem for p in (directory / "failures").glob("*.json")} and len(set(logged)) == len(logged)
+    assert len(logged) == failures if failures <= FAILURE_LINES_BURST else len(logged) >= FAILURE_LINES_BURST
     # One span per failed load reached the OTLP endpoint, each before its exception left kvobs.
     spans = receiver.spans()
     assert len(spans) == failures and {s.name for s in spans} == {"kv_offload.prepare_load"}
