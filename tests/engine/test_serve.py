@@ -180,6 +180,9 @@ def test_the_engine_dies_on_the_assertion_and_kvobs_explains_it(observed: Observ
     [event] = [e for e in span.events if e.name == "kv_offload.missing_chunks"]
     assert attrs(event.attributes)["kv_offload.cause"] == "evicted_after_lookup"
     assert attrs(span.attributes)["gen_ai.request.id"] == req_id
+    # OpenTelemetry's conventions: the cause as error.type, vLLM's served model name, the engine label.
+    assert {k: attrs(span.attributes)[k] for k in ("error.type", "gen_ai.request.model", "kvobs.engine")} == {
+        "error.type": "evicted_after_lookup", "gen_ai.request.model": SERVED, "kvobs.engine": "0"}
 
     # The running sidecar counts it, and so does one started after the death on what the engine left.
     def failures(url: str) -> bool:
