@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from dashboards.promql import Counts
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_PATH = HERE / "config.yaml"
 
@@ -37,6 +39,11 @@ class Config:
     def sidecar_identity(self) -> tuple[str, ...]:
         """One sidecar's scrape: its own series carry no model_name or engine."""
         return (self.cluster_label, self.namespace_label, "job", "instance")
+
+    @property
+    def counts(self) -> Counts:
+        """dashboards/promql.py's count forms, joined on these labels."""
+        return Counts(", ".join(self.identity), ", ".join(self.sidecar_identity))
 
     def runbook(self, alert: str) -> str:
         """The alert's runbook URL: GitHub's anchor of the "## <alert>" heading of docs/runbook.md."""

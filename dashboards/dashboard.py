@@ -78,7 +78,7 @@ def panels(config: Config) -> list[Spec]:
     per_engine = "instance, model_name, engine"
 
     def count_step(metric: str, by: str, extra: str = "") -> str:
-        return promql.count_per_step(metric, f"{e}, {extra}" if extra else e, by)
+        return config.counts.count_per_step(metric, f"{e}, {extra}" if extra else e, by)
 
     def vllm_rate(name: str, by: str = "instance, engine") -> str:
         return rate(vllm(name), v, by)
@@ -87,7 +87,7 @@ def panels(config: Config) -> list[Spec]:
         return f"histogram_quantile({q}, {rate(metric + '_bucket', selector, f'le, {by}' if by else 'le')})"
 
     near_misses = either_path(sel, rate, "hits_evicted_before_load_total", "reason")
-    failures_per_step = either_path(sel, promql.count_per_step, "load_failures_total", "cause")
+    failures_per_step = either_path(sel, config.counts.count_per_step, "load_failures_total", "cause")
     residency = "kvobs_chunk_residency_seconds"
     return [
         row(1, "Overview"),
@@ -96,7 +96,7 @@ def panels(config: Config) -> list[Spec]:
                    "Failed prepare_load calls (vLLM's assertion: a chunk \"not found in cache\" or \"not ready for "
                    "reading\") in the dashboard's time range, each counted once (raw series, no recording rule "
                    "needed). Each one normally kills an EngineCore. " + either("load_failures_total"),
-                   Query(f"sum({either_path(sel, promql.count_in_range, 'load_failures_total', 'cause')})"),
+                   Query(f"sum({either_path(sel, config.counts.count_in_range, 'load_failures_total', 'cause')})"),
                    ds, unit="short", steps=(("green", None), ("red", 1))),
         stat_panel(3, "Near misses /s",
                    "Chunks a lookup reported that were removed before the request's load pinned them, per second "
@@ -145,7 +145,7 @@ def panels(config: Config) -> list[Spec]:
                        "and load (evicted_after_lookup). Ages near the history window: raise history_size. "
                        + SIDECAR_ONLY.format("the eviction-age histogram")
                        + " Each bar is one bucket, named by its upper bound in seconds (le).",
-                       Query(promql.count_in_range("kvobs_missing_chunk_eviction_age_seconds_bucket", e, "le"),
+                       Query(config.counts.count_in_range("kvobs_missing_chunk_eviction_age_seconds_bucket", e, "le"),
                              "{{le}}"), ds),
         timeseries_panel(12, "Near misses by reason",
                          "Hits evicted before load: chunks a lookup reported (HIT / HIT_PENDING) that were removed "
@@ -237,15 +237,15 @@ def panels(config: Config) -> list[Spec]:
                    "Chunks loaded back from the offload tiers over chunks stored in them, in the dashboard's time "
                    "range. No data where nothing was stored. "
                    + SIDECAR_ONLY.format("kvobs_loaded_chunks_total"),
-                   Query(f"sum({promql.count_in_range('kvobs_loaded_chunks_total', e, '')})"
-                         f" / (sum({promql.count_in_range('kvobs_stored_chunks_total', e, '')}) > 0)"),
+                   Query(f"sum({config.counts.count_in_range('kvobs_loaded_chunks_total', e, '')})"
+                         f" / (sum({config.counts.count_in_range('kvobs_stored_chunks_total', e, '')}) > 0)"),
                    ds, unit="percentunit", steps=(("text", None),), w=3, h=8),
         stat_panel(44, "Removed unread (in range)",
                    "Share of the chunks removed from the CPU tier in the dashboard's time range that were never "
                    "loaded since their store: written for nothing. No data where nothing was removed. "
                    + SIDECAR_ONLY.format("kvobs_evicted_unread_chunks_total"),
-                   Query(f"sum({promql.count_in_range('kvobs_evicted_unread_chunks_total', e, '')})"
-                         f" / (sum({promql.count_in_range('kvobs_evicted_chunks_total', e, '')}) > 0)"),
+                   Query(f"sum({config.counts.count_in_range('kvobs_evicted_unread_chunks_total', e, '')})"
+                         f" / (sum({config.counts.count_in_range('kvobs_evicted_chunks_total', e, '')}) > 0)"),
                    ds, unit="percentunit", steps=(("text", None),), w=3, h=8),
 
         row(18, "Eviction history"),
@@ -446,7 +446,7 @@ def build(config: Config) -> dict[str, Any]:
     """The dashboard as Grafana's JSON model (a dict)."""
     sel = Selectors(config)
     ds = model.DataSourceRef(type_val=config.datasource_type, uid=config.datasource["uid"])
-    failures = either_path(sel, promql.count_per_step, "load_failures_total", "cause")
+    failures = either_path(sel, config.counts.count_per_step, "load_failures_total", "cause")
     board = (
         dashboard_builders.Dashboard(TITLE).uid(UID).description(DESCRIPTION)
         .tags(["kvobs", "vllm", "kv-offload"]).editable().tooltip(model.DashboardCursorSync.CROSSHAIR)

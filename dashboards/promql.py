@@ -38,15 +38,12 @@ exactly one step and the steps add up to the window's count.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 ENGINE_START = "kvobs_engine_start_timestamp_seconds"
 """The sidecar's per-engine gauge of when the engine's counters began (kvobs/metric_catalogue.py)."""
 SIDECAR_POLL = "kvobs_sidecar_last_poll_timestamp_seconds"
 """When the sidecar's last ingest round ended: what a scrape of it had read (0 before its first round)."""
-SIDECAR_ON = "cluster, namespace, job, instance"
-"""The labels that identify one sidecar's scrape."""
-ENGINE_ON = "cluster, namespace, job, instance, model_name, engine"
-"""The labels that identify one engine's series from one sidecar (the sidecar's scrape keeps them)."""
 LOOKBACK = "1h"
 """How far before a window's start a counter's last value is looked for: longer than any scrape gap
 one expects to bridge (a sidecar or Prometheus restart); bounds each evaluation's cost."""
@@ -74,54 +71,63 @@ def _sum(by: str, expr: str) -> str:
     return f"sum by ({by}) ({expr})" if by else f"sum ({expr})"
 
 
-def counted(metric: str, selector: str, window: str, since: str, lookback: str = LOOKBACK) -> str:
-    """Events of each series of ``metric{selector}`` in the ``window`` ending at the evaluation time,
-    which began at ``since`` (a PromQL scalar expression of Unix seconds: ``time() - <window in s>``).
-    One series a series, no aggregation (see the module's docstring for what is exact)."""
-    sel = series(metric, selector)
-    if metric.startswith("kvobs_"):
-        end = f"max_over_time({sel}[{window}])"
-        began = f"min_over_time({ENGINE_START}[{window}])"
-        new = (f"{began} > on ({SIDECAR_ON}) group_left max_over_time({SIDECAR_POLL}[{lookback}] offset {window})"
-               f" or {began} > {since}")
-        start = (f"max_over_time({sel}[{lookback}] offset {window})"
-                 f" or (0 * {end} and on ({ENGINE_ON}) ({new}))"
-                 f" or (0 * {end} and on ({ENGINE_ON}) max_over_time({ENGINE_START}[{lookback}] offset {window}))"
-                 f" or min_over_time({sel}[{window}])")
-        return f"clamp_min({end} - ({start}), 0)"
-    # vLLM's own counters: reset on a vLLM restart, no start time.
-    end = f"last_over_time({sel}[{window}])"
-    start = f"last_over_time({sel}[{lookback}] offset {window}) or min_over_time({sel}[{window}])"
-    return f"(({end} - ({start})) >= 0 or {end})"
+class Counts(NamedTuple):
+    """The count forms, joined on the configuration's labels (dashboards/config.py: ``Config.counts``)."""
+
+    engine_on: str
+    """The labels that identify one engine's series from one sidecar (the sidecar's scrape keeps them)."""
+    sidecar_on: str
+    """The labels that identify one sidecar's scrape."""
+
+    def counted(self, metric: str, selector: str, window: str, since: str, lookback: str = LOOKBACK) -> str:
+        """Events of each series of ``metric{selector}`` in the ``window`` ending at the evaluation time,
+        which began at ``since`` (a PromQL scalar expression of Unix seconds: ``time() - <window in s>``).
+        One series a series, no aggregation (see the module's docstring for what is exact)."""
+        sel = series(metric, selector)
+        if metric.startswith("kvobs_"):
+            end = f"max_over_time({sel}[{window}])"
+            began = f"min_over_time({ENGINE_START}[{window}])"
+            polled = f"max_over_time({SIDECAR_POLL}[{lookback}] offset {window})"
+            new = f"{began} > on ({self.sidecar_on}) group_left {polled} or {began} > {since}"
+            start = (f"max_over_time({sel}[{lookback}] offset {window})"
+                     f" or (0 * {end} and on ({self.engine_on}) ({new}))"
+                     f" or (0 * {end} and on ({self.engine_on})"
+                     f" max_over_time({ENGINE_START}[{lookback}] offset {window}))"
+                     f" or min_over_time({sel}[{window}])")
+            return f"clamp_min({end} - ({start}), 0)"
+        # vLLM's own counters: reset on a vLLM restart, no start time.
+        end = f"last_over_time({sel}[{window}])"
+        start = f"last_over_time({sel}[{lookback}] offset {window}) or min_over_time({sel}[{window}])"
+        return f"(({end} - ({start})) >= 0 or {end})"
 
 
-def count_in_range(metric: str, selector: str, by: str) -> str:
-    """An instant stat: events in the dashboard's ``$__range``, summed ``by`` (Grafana evaluates an
-    instant query at the range's end, so ``time() - $__range_s`` is its start).
+    def count_in_range(self, metric: str, selector: str, by: str) -> str:
+        """An instant stat: events in the dashboard's ``$__range``, summed ``by`` (Grafana evaluates an
+        instant query at the range's end, so ``time() - $__range_s`` is its start).
 
-    Exact (an integer) for every series Prometheus knew at the range's start, through sidecar restarts
-    and scrape gaps shorter than ``LOOKBACK``, and for every engine that started inside the range (its
-    first scrape counted in full). Approximate only where Prometheus knows nothing of an engine at the
-    range's start and the engine is older than the range (Prometheus restarted without storage): the
-    events between the range's start and the first scrape Prometheus has are not counted."""
-    return _sum(by, counted(metric, selector, "$__range", "(time() - $__range_s)"))
-
-
-def count_per_step(metric: str, selector: str, by: str) -> str:
-    """Per-step bars: events in each step of ``$__interval`` (Grafana's step), summed ``by``.
-
-    Each event is in exactly one step, the first whose end is at or after the scrape that first
-    showed it, and the steps of a range add up to ``count_in_range`` over it; integers, no
-    extrapolation. Approximate only as ``count_in_range`` is, for the step after a loss of
-    Prometheus's storage."""
-    return _sum(by, counted(metric, selector, "$__interval", "(time() - $__interval_ms / 1000)"))
+        Exact (an integer) for every series Prometheus knew at the range's start, through sidecar restarts
+        and scrape gaps shorter than ``LOOKBACK``, and for every engine that started inside the range (its
+        first scrape counted in full). Approximate only where Prometheus knows nothing of an engine at the
+        range's start and the engine is older than the range (Prometheus restarted without storage): the
+        events between the range's start and the first scrape Prometheus has are not counted."""
+        return _sum(by, self.counted(metric, selector, "$__range", "(time() - $__range_s)"))
 
 
-def increase_rule(metric: str, by: str, window: str = "1h") -> str:
-    """A recording rule's expression: events in the last ``window``, summed ``by`` (the name keeps
-    Prometheus's ``:increase<window>`` convention; the value is an exact count, not extrapolated).
+    def count_per_step(self, metric: str, selector: str, by: str) -> str:
+        """Per-step bars: events in each step of ``$__interval`` (Grafana's step), summed ``by``.
 
-    Exact as ``count_in_range`` is: a series new in the window counts its first value when its
-    engine started in the window; approximate for an engine older than the window that Prometheus
-    first saw inside it (restarted without storage)."""
-    return _sum(by, counted(metric, "", window, f"(time() - {seconds(window)})"))
+        Each event is in exactly one step, the first whose end is at or after the scrape that first
+        showed it, and the steps of a range add up to ``count_in_range`` over it; integers, no
+        extrapolation. Approximate only as ``count_in_range`` is, for the step after a loss of
+        Prometheus's storage."""
+        return _sum(by, self.counted(metric, selector, "$__interval", "(time() - $__interval_ms / 1000)"))
+
+
+    def increase_rule(self, metric: str, by: str, window: str = "1h") -> str:
+        """A recording rule's expression: events in the last ``window``, summed ``by`` (the name keeps
+        Prometheus's ``:increase<window>`` convention; the value is an exact count, not extrapolated).
+
+        Exact as ``count_in_range`` is: a series new in the window counts its first value when its
+        engine started in the window; approximate for an engine older than the window that Prometheus
+        first saw inside it (restarted without storage)."""
+        return _sum(by, self.counted(metric, "", window, f"(time() - {seconds(window)})"))

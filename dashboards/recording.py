@@ -2,14 +2,13 @@
 
 Naming: level:metric:operations (https://prometheus.io/docs/practices/rules/). "engine" is the level:
 every rule keeps the engine's identity (:attr:`Config.identity`) plus the label named after it (reason,
-cause). The count (``:increase1h``) is :func:`dashboards.promql.increase_rule`'s exact form.
+cause). The count (``:increase1h``) is :meth:`dashboards.promql.Counts.increase_rule`'s exact form.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dashboards import promql
 from dashboards.config import Config
 
 COMMENT = """\
@@ -36,7 +35,7 @@ def rules(config: Config) -> dict[str, Any]:
         {"record": "engine_reason:kvobs_hits_evicted_before_load:rate5m",
          "expr": f"sum by ({engine}, reason) (rate(kvobs_hits_evicted_before_load_total[5m]))"},
         {"record": "engine_cause:kvobs_load_failures:increase1h",
-         "expr": promql.increase_rule("kvobs_load_failures_total", f"{engine}, cause", "1h")},
+         "expr": config.counts.increase_rule("kvobs_load_failures_total", f"{engine}, cause", "1h")},
         {"record": "engine_reason:kvobs_chunk_residency_seconds:p50_rate5m",
          "expr": quantile(0.5, "kvobs_chunk_residency_seconds", f"{engine}, reason", "5m")},
         {"record": "engine_reason:kvobs_chunk_residency_seconds:p99_rate5m",

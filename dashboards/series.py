@@ -64,7 +64,7 @@ class Selectors:
 
 
 Form = Callable[[str, str, str], str]
-"""A read of a counter: (metric, selector, by) -> PromQL, e.g. promql.count_per_step or :func:`rate`."""
+"""A read of a counter: (metric, selector, by) -> PromQL, e.g. ``Config.counts.count_per_step`` or :func:`rate`."""
 
 
 def rate(metric: str, selector: str, by: str) -> str:

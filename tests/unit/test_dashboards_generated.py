@@ -54,6 +54,10 @@ def test_the_configuration_reaches_every_output(tmp_path: Path) -> None:
     assert 'up{job="kvobs-sidecar"}' in alerts and 'up{job="kvobs"}' not in alerts
     assert "https://docs.example.com/kvobs/runbook.md#kvobsloadfailure" in alerts and default.runbook_base not in alerts
     assert "by (k8s_cluster, namespace, job" in recording and "by (cluster," not in recording.split("groups:")[1]
+    # The count forms' joins too (dashboards/promql.py's Counts): no "on (cluster, ..." left anywhere.
+    for text in (board, recording):
+        joins = re.findall(r"on \(([^)]*)\)", text)
+        assert joins and all(j.startswith("k8s_cluster,") for j in joins if "namespace" in j), joins
 
 
 def test_the_configuration_file_is_complete() -> None:
