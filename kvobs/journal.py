@@ -28,6 +28,7 @@ directories 0700 and files 0600 (keys are hashes; no prompt text is written).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import threading
@@ -94,19 +95,49 @@ _stems_lock = threading.Lock()
 
 
 def _claim_stem(journal_dir: Path, engine: str) -> str:
-    """A file stem no other live writer of this process uses in this directory.
+    """A file stem no other live writer uses in this directory.
 
     Two observed managers with one engine name in one process (``observe()`` twice, with the
-    default ``engine="0"``) would otherwise write, and rotate away, each other's segments.
+    default ``engine="0"``) would otherwise write, and rotate away, each other's segments; so would
+    two engines with one label whose processes have the same pid in different pid namespaces (two
+    containers sharing a host directory), which only the other's lock (:func:`_held`) tells apart.
     """
     with _stems_lock:
         n = 0
         stem = journal_stem(engine, os.getpid())
-        while (str(journal_dir), stem) in _stems_in_use:
+        while (str(journal_dir), stem) in _stems_in_use or _stem_held(journal_dir, stem):
             n += 1
             stem = journal_stem(engine, os.getpid(), n)
         _stems_in_use.add((str(journal_dir), stem))
     return stem
+
+
+def _hold(fd: int) -> None:
+    """Mark an open segment as its writer's for as long as the writer lives: a shared ``flock``,
+    which the kernel drops when the process dies, however it dies."""
+    with contextlib.suppress(OSError):  # a file system without flock: pruning falls back to last writes
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
+def _held(path: Path) -> bool | None:
+    """Whether a live writer holds ``path`` (:func:`_hold`); None when this file system cannot tell."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # gone, or not a file kvobs writes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return False
+
+
+def _stem_held(journal_dir: Path, stem: str) -> bool:
+    return any(_held(path) for path in journal_dir.glob(f"{stem}.*{JOURNAL_SUFFIX}") if stem_of(path.name) == stem)
 
 
 def announce_unobserved(options: Options, vllm_version: str, reason: str, detail: str) -> None:
@@ -187,6 +218,7 @@ class JournalFiles:
             self._seq += 1
         path = self.journal_dir / journal_name(self._stem, self._seq)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        _hold(self._fd)
         self._segment_bytes = 0
         old = self._seq - KEEP_SEGMENTS
         if old >= 0:
@@ -197,8 +229,12 @@ class JournalFiles:
         """Delete the segments of this engine's earlier processes but the newest ``journal_processes``'.
 
         Each process bounds its own segments; without this a crash-looping engine would leave
-        up to KEEP_SEGMENTS segments per restart, forever. Newest by last write, so a live
-        writer (touching its file every FLUSH_EVERY_S) is never among the deleted.
+        up to KEEP_SEGMENTS segments per restart, forever. A live writer is never among the deleted
+        nor counted as an earlier process: it holds a lock on its open segment (:func:`_hold`) that
+        only its death releases, so another engine with the same label in the same directory (two
+        models on one node, both engine "0") keeps its journal (issue 31, class 3). Where the file
+        system cannot tell, the newest by last write are kept (a live writer writes its totals every
+        FLUSH_EVERY_S).
         """
         mine = os.getpid()
         by_pid: dict[int, list[Path]] = {}
@@ -206,7 +242,8 @@ class JournalFiles:
             parsed = parse_stem(stem_of(path.name))
             if parsed is not None and parsed[0] == self.engine and parsed[1] != mine:
                 by_pid.setdefault(parsed[1], []).append(path)
-        if len(by_pid) <= self.keep_processes:
+        earlier = [paths for paths in by_pid.values() if not any(_held(path) for path in paths)]
+        if len(earlier) <= self.keep_processes:
             return
 
         def last_write(paths: list[Path]) -> float:
@@ -216,7 +253,7 @@ class JournalFiles:
                     newest = max(newest, path.stat().st_mtime)
             return newest
 
-        by_age = sorted(by_pid.values(), key=last_write)
+        by_age = sorted(earlier, key=last_write)
         for paths in by_age[: len(by_age) - self.keep_processes]:
             for path in paths:
                 with contextlib.suppress(OSError):
