@@ -18,7 +18,8 @@ How it forwards, cheaply: each method is an instance attribute set at constructi
 table of the protocol, ``compat.PROTOCOL``, says (the class's methods are built from it too). Methods
 kvobs has nothing to record for are the inner manager's own bound methods; the others are
 taps from :mod:`kvobs.hot_path_loader` (compiled when built) that call the inner method and record
-around it. Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
+around it, each handed out so that it introspects as the inner method (``inspect.signature``,
+``functools.wraps``, ``mock.create_autospec``: :mod:`kvobs.vllm.signatures`). Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
 AssertionError, the same object, with the explanation appended.
 """
 
@@ -40,6 +41,7 @@ from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
 from kvobs.vllm import compat, vllm_metrics
 from kvobs.vllm.evidence import observer_for
+from kvobs.vllm.signatures import class_signature, dressed
 from kvobs.vllm.survive import Survival
 from kvobs.vllm.trace_context import TraceHeaders
 
@@ -93,6 +95,7 @@ def _class_method(name: str, takes_arguments: bool) -> Callable[..., Any]:
     method.__name__ = name
     method.__qualname__ = f"ObservedOffloadingManager.{name}"
     method.__doc__ = f"The inner manager's ``{name}``, through kvobs's tap (``compat.PROTOCOL``)."
+    method.__signature__ = class_signature(OffloadingManager, name)  # type: ignore[attr-defined]
     return method
 
 
@@ -122,6 +125,7 @@ class ObservedOffloadingManager(OffloadingManager):
         if survival is not None:  # prepare_load's decision comes back from _kvobs_load_failed
             taps["complete_load"] = survival.complete_through(taps["complete_load"])
             taps["reset_cache"] = survival.reset_through(taps["reset_cache"])
+        taps = {name: dressed(tap, getattr(inner, name)) for name, tap in taps.items()}  # introspect as inner's
         put(self, "_kvobs_taps", taps)
         for name, tap in taps.items():
             put(self, name, tap)

@@ -234,7 +234,7 @@ def test_a_fault_of_kvobs_leaves_the_inner_stats_as_they_are(monkeypatch: pytest
     manager = create_spec(extra).get_manager()
     try:
         assert isinstance(manager, ObservedOffloadingManager)
-        assert isinstance(manager.get_stats, vllm_metrics.StatsTap)
+        assert isinstance(manager.get_stats.func, vllm_metrics.StatsTap)  # inside kvobs.vllm.signatures.dressed
 
         def broken(self: Any) -> Any:
             raise RuntimeError("kvobs bug")
