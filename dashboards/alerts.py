@@ -63,6 +63,10 @@ def rules(config: Config) -> dict[str, Any]:
     at_cap = "Engine {{ $labels.engine }} of {{ $labels.model_name }} at {{ $labels.instance }}"
     window = FAILURE_WINDOW_S
     causes = _causes(config, "kvobs_last_load_failure_timestamp_seconds")
+    counts = config.counts  # one event must alert even in a series' first scrape (dashboards/promql.py)
+    hour_ago = f"(time() - {FAILURE_WINDOW_S})"
+    report_errors = counts.counted("kvobs_internal_errors_total", 'stage="report"', "1h", hour_ago)
+    recompute_alarms = counts.counted("kvobs_recompute_alarms_total", "", "1h", hour_ago)
 
     def alert(name: str, expr: str, severity: str, summary: str, description: str, *,
               for_: str | None = None, keep_firing_for: str | None = None) -> dict[str, Any]:
@@ -109,7 +113,7 @@ def rules(config: Config) -> dict[str, Any]:
         # kvobs_load_failures_total but it moves no failure-time gauge (read from reports), so the two
         # alerts above never see it. kvobs writes reports at stage "report" only, and only for a failed load.
         alert("KvobsFailureReportLost",
-              f'sum by ({engine}) (increase(kvobs_internal_errors_total{{stage="report"}}[1h])) > 0',
+              f"sum by ({engine}) ({report_errors}) > 0",
               "warning",
               "A kvobs failure report could not be written; the load-failure alerts cannot see that failure.",
               f"kvobs on {at} could not write a failure report in the last hour "
@@ -233,7 +237,7 @@ def rules(config: Config) -> dict[str, Any]:
         # Survive mode: the engine raised its alarm, more recomputed loads within an hour than its
         # survive_alarm_per_hour option allows; the threshold is the option, read nowhere else.
         alert("KvobsRecomputesKeepHappening",
-              f"sum by ({engine}) (increase(kvobs_recompute_alarms_total[1h])) > 0", "warning",
+              f"sum by ({engine}) ({recompute_alarms}) > 0", "warning",
               "Survive mode keeps turning failed loads into recomputes on an engine.",
               f"{at_cap} recomputed more loads within an hour than its survive_alarm_per_hour option allows. The "
               "engine serves on, but every recompute is a lost cache hit: the offload tier keeps losing chunks "
