@@ -3,7 +3,7 @@
 #   make image   (both images, tagged with the kvobs version), or
 #   docker build -f docker/vllm.Dockerfile -t kvobs/vllm-openai:<kvobs version> .
 # The image's ENTRYPOINT stays vLLM's own (`vllm serve`); pass the model and flags as the command.
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.34.0
 
 # kvobs's wheel, its hot path compiled (setup.py, mypyc) for the image's own Python; the build fails
 # if it did not compile, so the engine never runs the slower pure-Python form unnoticed.

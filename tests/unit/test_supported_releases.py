@@ -45,6 +45,16 @@ def test_make_test_runs_every_supported_release() -> None:
     assert sorted([default[1], *older[1].split()], key=minor) == list(SUPPORTED_VLLM)
 
 
+def test_the_vllm_image_builds_on_the_release_make_test_runs() -> None:
+    """docker/vllm.Dockerfile's default base (what compose builds) is the Makefile's VLLM_VERSION (what
+    `make image` passes): the image carries the release the whole suite ran on."""
+    makefile = (ROOT / "Makefile").read_text()
+    default = re.search(r"^VLLM_VERSION \?= (\S+)", makefile, re.M)
+    dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()
+    base = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", dockerfile, re.M)
+    assert default and base and base[1] == default[1] == LAST
+
+
 def test_every_stated_range_of_releases_is_the_supported_one() -> None:
     """Prose that gives the range ("<first> to <last>", full release numbers) in the docs, pyproject, the code."""
     paths = [ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
