@@ -55,6 +55,7 @@ from kvobs.wire.format import (
     journal_stem,
     parse_stem,
     report_name,
+    report_time_ms,
     stem_of,
 )
 
@@ -262,8 +263,11 @@ class JournalFiles:
     # -- failure reports -----------------------------------------------------------------
 
     def report_name(self, report: dict[str, Any]) -> str:
-        """The next report's file name (each name used once)."""
-        name = report_name(report["time"], self.engine, os.getpid(), self._reports)
+        """The next report's file name (each name used once), after the newest report's in the directory
+        whatever the wall clock says (``kvobs.wire.format.report_name``)."""
+        newest = report_files(self.failures_dir)[:1]  # any writer's: engines may share the directory
+        after = report_time_ms(newest[0].stem) if newest else None
+        name = report_name(report["time"], self.engine, os.getpid(), self._reports, -1 if after is None else after)
         self._reports += 1
         return name
 
