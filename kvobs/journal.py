@@ -178,6 +178,8 @@ class JournalFiles:
         self._segment_bytes = 0
         self._fd: int | None = None
         self._reports = 0
+        self.lines_kept = 0
+        """Whole lines of the last failed :meth:`write` that were written and kept."""
         self._stem = _claim_stem(self.journal_dir, engine)
         self._prune_earlier_processes()
 
@@ -185,15 +187,24 @@ class JournalFiles:
 
     def write(self, data: bytes) -> None:
         """Append ``data`` (whole lines) to the current segment, rolling first when it would not fit."""
+        self.lines_kept = 0
         if self._fd is None or self._segment_bytes + len(data) > self.segment_bytes:
             self._roll()
-        assert self._fd is not None
+        fd = self._fd
+        assert fd is not None
+        start = os.fstat(fd).st_size  # the file's real end: an operator's truncate may have cut it
+        view, done = memoryview(data), 0
         try:
-            write_all(self._fd, data)
+            while done < len(data):  # a nearly full disk writes short before it fails
+                done += os.write(fd, view[done:])
         except OSError:
-            # Keep the file line-aligned: cut a partial append back off (disk full, EIO).
+            # Keep the file line-aligned: cut a partial line back off (disk full, EIO). Whole lines
+            # already out stay: a reader may have read them, and a file cut back under its position
+            # would cost it its place (issue 31, class 4).
+            kept = data.rfind(b"\n", 0, done) + 1
+            self.lines_kept = data.count(b"\n", 0, kept)
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._segment_bytes)
+                os.ftruncate(fd, start + kept)
             raise
         self._segment_bytes += len(data)
 
@@ -399,7 +410,7 @@ class JournalSink(Sink):
             except OSError:
                 # Lost, and said so: counted as dropped (the next totals carry the count;
                 # the counters themselves are cumulative, so they recover exactly).
-                self.dropped += max(0, len(lines) - 1 - written)
+                self.dropped += max(0, len(lines) - 1 - written - self.files.lines_kept)
                 raise
             if durable:
                 self.files.sync()

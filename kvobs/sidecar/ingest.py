@@ -149,9 +149,14 @@ class Ingest:
                 with self.lock:
                     self.unreadable.pop(str(path), None)
                 given_up = False
-            if position.offset == offset and position.skipping == skipping:
+            if position.rewound:  # copy-truncate rotation or a truncate: its later lines are read (issue 31)
+                logger.warning("kvobs sidecar: journal %s was cut back under the reader (copy-truncate "
+                               "rotation or a truncate); reading it again from its start", path)
+                budget -= position.offset
+            elif position.offset == offset and position.skipping == skipping:
                 return
-            budget -= position.offset - offset
+            else:
+                budget -= position.offset - offset
             offset, skipping = position.offset, position.skipping
             with self.lock:
                 for record in records:

@@ -273,6 +273,21 @@ class JournalPosition:
 
     offset: int = 0
     skipping: bool = False
+    rewound: bool = False
+    """Set when the file was found cut back under this position (copy-truncate rotation, an operator's
+    ``truncate``): it is read again from its start. Left for the caller to clear."""
+
+
+def _cut_back(f: Any, position: JournalPosition) -> bool:
+    """Whether the file shrank or was rewritten under ``position`` since it was read: shorter than the
+    offset, or (outside a skipped line) the byte before the offset is no longer the end of a line.
+    A reader that trusted the old offset would never read the writer's later lines (issue 31, class 4)."""
+    if os.fstat(f.fileno()).st_size < position.offset:
+        return True
+    if position.skipping:
+        return False  # inside a line it skips: no line end to check
+    f.seek(position.offset - 1)
+    return bool(f.read(1) != b"\n")
 
 
 def read_new_records(path: Path, position: JournalPosition, max_bytes: int = 8 * 2**20) -> Iterator[Record | None]:
@@ -281,9 +296,12 @@ def read_new_records(path: Path, position: JournalPosition, max_bytes: int = 8 *
     A partial last line (the writer is mid-append, or died mid-append) is left for the next
     call. A line of ``MAX_LINE_BYTES`` or more is no record kvobs writes: it is skipped (one
     None, however many reads it spans) rather than waited on forever. Opens with O_NOFOLLOW:
-    a symlink is not a journal.
+    a symlink is not a journal. A file cut back under ``position`` (:func:`_cut_back`; kvobs's own
+    writer never cuts below a whole line) is read again from its start, and ``position.rewound`` says so.
     """
     with _open_regular(path) as f:
+        if position.offset > 0 and _cut_back(f, position):
+            position.offset, position.skipping, position.rewound = 0, False, True
         f.seek(position.offset)
         data = f.read(max_bytes)
     end = data.rfind(b"\n")

@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +96,108 @@ def test_a_second_engine_with_the_same_label_keeps_the_first_ones_live_journal(t
         for engine in engines:
             engine.kill()
         sidecar.stop()
+
+
+def corrupt_lines(url: str) -> float:
+    return scrape(url).get(("kvobs_sidecar_skipped_total", frozenset({("source", "journal"), ("reason", "corrupt")})),
+                           0.0)
+
+
+def copy_truncate(segment: Path) -> None:
+    """What logrotate's ``copytruncate`` does: copy the file aside, then truncate it in place (the
+    writer keeps its descriptor and appends at the new end)."""
+    rotated = segment.with_name(segment.name + ".1")
+    rotated.write_bytes(segment.read_bytes())
+    with segment.open("r+b") as f:
+        f.truncate(0)
+
+
+@pytest.mark.parametrize("cut", ["copytruncate", "truncate"])
+def test_a_journal_cut_back_under_a_running_sidecar_is_read_on(tmp_path: Path, cut: str) -> None:
+    """A running ``kvobs serve`` has read an engine's journal some way; the segment is rotated by
+    copy-truncate (or an operator truncates it); the engine stores more and exits. Before the fix the
+    sidecar kept its old offset, past the file's new end: the later stores and the final totals were
+    never read (stuck at 3)."""
+    sidecar = Sidecar(tmp_path).start()
+    engine = LiveEngine(tmp_path, engine="0", model_name="model-a")
+    try:
+        engine.say("store 3", "stored")
+        wait_for(lambda: stored(sidecar.url, "model-a") == 3, what="the engine's stores on /metrics")
+        time.sleep(2)  # the engine writes its totals every 0.25 s: the offset grows past what follows the cut
+        (segment,) = (tmp_path / "journal").iterdir()
+        if cut == "copytruncate":
+            copy_truncate(segment)
+        else:
+            with segment.open("r+b") as f:
+                f.truncate(0)
+        engine.say("store 4", "stored")
+        engine.exit()
+        wait_for(lambda: stored(sidecar.url, "model-a") == 7, timeout=10, what="the later stores on /metrics")
+        assert corrupt_lines(sidecar.url) == 0
+        assert any("was cut back under the reader" in line for line in sidecar.log_lines())
+    finally:
+        engine.kill()
+        sidecar.stop()
+
+
+def test_a_restarted_sidecar_reads_a_journal_rotated_while_it_was_down(tmp_path: Path) -> None:
+    """The sidecar stops (its checkpoint holds its offset), the journal is copy-truncated and the
+    engine writes on past that offset before the sidecar starts again. Before the fix it read from its
+    old offset, the middle of a line: a corrupt line counted, and the lines before it lost."""
+    sidecar = Sidecar(tmp_path).start()
+    engine = LiveEngine(tmp_path, engine="0", model_name="model-a")
+    try:
+        engine.say("store 3", "stored")
+        wait_for(lambda: stored(sidecar.url, "model-a") == 3, what="the engine's stores on /metrics")
+        sidecar.stop()
+        (segment,) = (tmp_path / "journal").iterdir()
+        offset = json.loads((tmp_path / "sidecar-state.json").read_text())["positions"][segment.name][0]
+        copy_truncate(segment)
+        engine.say("store 4", "stored")
+        wait_for(lambda: segment.stat().st_size > offset + 1, timeout=30, what="the engine writing past the offset")
+        engine.exit()
+        sidecar = Sidecar(tmp_path).start()
+        wait_for(lambda: stored(sidecar.url, "model-a") == 7, timeout=10, what="the later stores on /metrics")
+        assert corrupt_lines(sidecar.url) == 0
+    finally:
+        engine.kill()
+        sidecar.stop()
+
+
+def test_kvobs_cuts_a_failed_append_back_to_its_last_whole_line(tmp_path: Path) -> None:
+    """kvobs's own cut-back after a short write on a full disk: it used to cut the whole append off,
+    whole lines a reader may already have read included, so the file shrank under that reader's
+    position. Now only the partial line goes; the reader's position stays inside the file."""
+    from kvobs.journal import JournalFiles
+    from kvobs.options import Options
+    from kvobs.wire.decode import JournalPosition
+    from tests.support.faults import tmpfs
+
+    with tmpfs(tmp_path / "mnt", size="64k") as mount:
+        files = JournalFiles(mount / "kvobs", "0", Options())
+        files.write(b"first\n")
+        filler = mount / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # fill the file system, then free a little less than the append below needs
+            for size in (4096, 512, 1):
+                with contextlib.suppress(OSError):
+                    while os.write(fd, b"\0" * size):
+                        pass
+            os.ftruncate(fd, os.fstat(fd).st_size - 3000)
+        finally:
+            os.close(fd)
+        lines = [f"line {i:04d} {'x' * 90}\n".encode() for i in range(64)]  # 6,400 bytes
+        with pytest.raises(OSError):
+            files.write(b"".join(lines))
+        (segment,) = (mount / "kvobs" / "journal").iterdir()
+        data = segment.read_bytes()
+        assert data.endswith(b"\n") and data.startswith(b"first\n")
+        assert files.lines_kept > 0 and data == b"first\n" + b"".join(lines[: files.lines_kept])
+        position = JournalPosition(len(data))
+        filler.unlink()
+        files.write(b"after\n")
+        files.close()
+        from kvobs.wire.decode import read_new_records
+
+        list(read_new_records(segment, position))
+        assert not position.rewound and position.offset == len(data) + len(b"after\n")
