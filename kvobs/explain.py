@@ -48,6 +48,7 @@ from kvobs.wire.format import (
     MAX_GROUP,
     MAX_REPORT_BYTES,
     Removals,
+    fit_req_id,
     key_ref,
     parse_integer,
     ref_from_text,
@@ -198,29 +199,45 @@ class LogScan:
 
 
 def scan_log(stream: BinaryIO) -> LogScan:
-    """Distinct offload assertions in a log (by wording and key), however the log was shipped."""
-    found: dict[tuple[str, str, str], LoggedAssertion] = {}
-    dropped: set[tuple[str, str, str]] = set()
+    """Distinct offload assertions in a log, however the log was shipped: distinct by wording, key and
+    engine, and by the request and cause kvobs's message names (issue 31, class 6: two engines failing
+    on one key, or two survived loads of one key in one engine, are different failures). A line
+    without kvobs's message is counted with the first assertion of its key on its engine."""
+    entries: list[LoggedAssertion] = []
+    found: dict[tuple[Any, ...], LoggedAssertion] = {}
+    first: dict[tuple[Any, ...], LoggedAssertion] = {}  # (wording, key, state, engine) -> its first assertion
+    dropped: set[tuple[Any, ...]] = set()
     untracked = 0
     damage: list[str] = []
     decoded = log_lines(stream, damage, MAX_LINE_CHARS)
     with contextlib.closing(decoded):  # closed while ``stream`` is still open, however the scan ends
         try:
             lines = enumerate(decoded, start=1)
-            first = next(lines, None)
+            first_line = next(lines, None)
         except UnreadableLog as exc:
             raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
-        for number, line in itertools.chain(() if first is None else (first,), lines):
+        for number, line in itertools.chain(() if first_line is None else (first_line,), lines):
             for text in _texts(line):
                 for match in ASSERTION.finditer(text):
                     state = "missing" if match["what"].startswith("not found") else "not_ready"
-                    ident = (match["noun"], match["key"], state)
-                    known = found.get(ident)
+                    engine_match = ENGINE.search(text) or ENGINE.search(line)
+                    engine = None if engine_match is None else (engine_match["dp"] or "0")  # vLLM's engine label
+                    base = (match["noun"], match["key"], state, engine)
+                    told = _kvobs_told(text, match.end())
+                    ident = base if told is None else (*base, told.req_id, told.cause)
+                    known = found.get(ident) if told is not None else first.get(base)
+                    if known is None and told is not None:
+                        untold = found.get(base)  # first logged without kvobs's message: this is its message
+                        if untold is not None and untold.kvobs_cause is None and untold.kvobs_req_id is None:
+                            _tell(untold, told)
+                            del found[base]
+                            found[ident] = untold
+                            untold.occurrences += 1
+                            continue
                     if known is not None:
                         known.occurrences += 1
-                        _read_kvobs_suffix(known, text, match.end())
                         continue
-                    if len(found) >= MAX_ASSERTIONS:
+                    if len(entries) >= MAX_ASSERTIONS:
                         if ident in dropped:
                             continue
                         if len(dropped) < MAX_DROPPED_TRACKED:
@@ -228,7 +245,6 @@ def scan_log(stream: BinaryIO) -> LogScan:
                         else:
                             untracked += 1
                         continue
-                    engine = ENGINE.search(text) or ENGINE.search(line)
                     when = LOG_TIME.search(text) or LOG_TIME.search(line)
                     entry = LoggedAssertion(
                         line=number,
@@ -238,32 +254,55 @@ def scan_log(stream: BinaryIO) -> LogScan:
                         what=match["what"],
                         key_text=match["key"],
                         key=_parse_key(match["key"]),
-                        engine=None if engine is None else (engine["dp"] or "0"),  # vLLM's engine label
+                        engine=engine,
                         log_time=None if when is None else when["time"],
                     )
-                    _read_kvobs_suffix(entry, text, match.end())
+                    if told is not None:
+                        _tell(entry, told)
+                    entries.append(entry)
                     found[ident] = entry
-    return LogScan(list(found.values()), len(dropped) + untracked, damage)
+                    first.setdefault(base, entry)
+    return LogScan(entries, len(dropped) + untracked, damage)
 
 
-def _read_kvobs_suffix(entry: LoggedAssertion, line: str, end: int) -> None:
-    """kvobs's message follows vLLM's text on the same line: read its group, request and cause."""
-    if entry.kvobs_cause is not None:
-        return
+@dataclass(frozen=True)
+class _Told:
+    """What kvobs's message after vLLM's text says: the group, the request, the cause and its evidence."""
+
+    group: int | None
+    req_id: str | None
+    cause: str | None
+    evidence: str | None
+
+
+def _kvobs_told(line: str, end: int) -> _Told | None:
+    """kvobs's message right after vLLM's text on the same line, None when the line has none."""
     suffix = KVOBS_SUFFIX.match(line, end)
     if suffix is None:
-        return
-    entry.kvobs_group = parse_integer(suffix["group"], 0, MAX_GROUP)  # None when "None" or out of range
-    entry.kvobs_req_id = _parse_str(suffix["req_id"])
+        return None
+    group = parse_integer(suffix["group"], 0, MAX_GROUP)  # None when "None" or out of range
+    req_id = _parse_str(suffix["req_id"])
     cause = KVOBS_CAUSE.search(line, suffix.end())
-    if cause is not None and cause["cause"] in MEANING:
-        entry.kvobs_cause, entry.kvobs_evidence = cause["cause"], cause["evidence"]
+    if cause is None or cause["cause"] not in MEANING:
+        return _Told(group, req_id, None, None)
+    return _Told(group, req_id, cause["cause"], cause["evidence"])
+
+
+def _tell(entry: LoggedAssertion, told: _Told) -> None:
+    entry.kvobs_group, entry.kvobs_req_id = told.group, told.req_id
+    entry.kvobs_cause, entry.kvobs_evidence = told.cause, told.evidence
 
 
 # -- what kvobs recorded --------------------------------------------------------------------
 
 
 def _report_matches(report: dict[str, Any], entry: LoggedAssertion) -> bool:
+    """The report is of this assertion's key, and of its request and cause when kvobs's message in the
+    log names them (another failure on the same key is another assertion's)."""
+    if entry.kvobs_req_id is not None and report.get("req_id") != fit_req_id(entry.kvobs_req_id):
+        return False
+    if entry.kvobs_cause is not None and report.get("cause") != entry.kvobs_cause:
+        return False
     if report.get("vllm_message") == entry.vllm_text:
         return True
     ref = entry.key_ref
@@ -293,7 +332,9 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> l
     if wanted:
         for removal in _journal_removals(directory / JOURNAL_DIR, set(wanted)):
             for entry in wanted[removal["key"]]:
-                entry.removals.append(removal)
+                # Its reports name kvobs's engine: another engine's removals of the key are not its.
+                if not entry.reports or removal["engine"] in {report.get("engine") for report in entry.reports}:
+                    entry.removals.append(removal)
         for entry in entries:
             entry.removals.sort(key=lambda r: r["time"] or 0.0, reverse=True)
             del entry.removals[REMOVALS_SHOWN:]

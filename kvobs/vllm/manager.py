@@ -19,8 +19,9 @@ table of the protocol, ``compat.PROTOCOL``, says (the class's methods are built 
 kvobs has nothing to record for are the inner manager's own bound methods; the others are
 taps from :mod:`kvobs.hot_path_loader` (compiled when built) that call the inner method and record
 around it, each handed out so that it introspects as the inner method (``inspect.signature``,
-``functools.wraps``, ``mock.create_autospec``: :mod:`kvobs.vllm.signatures`). Only ``prepare_load`` ever raises something kvobs touched: vLLM's own
-AssertionError, the same object, with the explanation appended.
+``functools.wraps``, ``mock.create_autospec``: :mod:`kvobs.vllm.signatures`). Only ``prepare_load``
+ever raises something kvobs touched: vLLM's own AssertionError, the same object, with the
+explanation appended.
 """
 
 from __future__ import annotations
