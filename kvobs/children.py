@@ -107,13 +107,15 @@ def stop_child(child: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT_S) ->
 
 
 @contextlib.contextmanager
-def ends_with_signals() -> Iterator[None]:
+def ends_with_signals(once: bool = False) -> Iterator[None]:
     """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while inside (the previous
-    handlers come back after), so the caller's ``finally`` stops its children."""
+    handlers come back after), so the caller's ``finally`` stops its children. ``once``: only the
+    first raises, so a second signal cannot cut short the way out it started (``kvobs serve``'s exit
+    checkpoint)."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
         _stop_requested.append(signum)
-        if not _deferring:
+        if not _deferring and not (once and len(_stop_requested) > 1):
             raise Stopped(signum)
 
     _stop_requested.clear()

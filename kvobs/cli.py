@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -110,19 +109,23 @@ def _serve(args: argparse.Namespace) -> int:
               "directory the engines write, KVOBS_DIR on their side)", file=sys.stderr)
         return 2
 
+    from kvobs.children import ends_with_signals
     from kvobs.sidecar.logs import configure
     from kvobs.sidecar.server import ListenError, serve
 
     configure(log_format, level)
     logger = logging.getLogger("kvobs.sidecar")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
 
     def ready(url: str) -> None:  # called once the socket is bound: never "serving" a port it failed to get
         logger.info("kvobs serve: reading %s, serving %s%s", directory, url,
                     " (/api/v1/failures needs the bearer token)" if token else "")
 
+    # SIGTERM and SIGHUP (a closed terminal, ssh or tmux session) end it as Ctrl-C does, through serve()'s
+    # exit checkpoint (a second one does not cut that short): killed without it, a restarted sidecar
+    # served counters lower than before (issue 31, class 5).
     try:
-        serve(directory, host, port, token=token, ready=ready)
+        with ends_with_signals(once=True):
+            serve(directory, host, port, token=token, ready=ready)
     except KeyboardInterrupt:
         pass
     except ListenError as exc:

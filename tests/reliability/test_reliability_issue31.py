@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
 from tests.support.services import ROOT, Sidecar, clean_env, wait_for
 from tests.support.sidecar_input import scrape
 
@@ -201,3 +204,43 @@ def test_kvobs_cuts_a_failed_append_back_to_its_last_whole_line(tmp_path: Path) 
 
         list(read_new_records(segment, position))
         assert not position.rewound and position.offset == len(data) + len(b"after\n")
+
+
+@pytest.mark.parametrize("signums", [[signal.SIGHUP], [signal.SIGTERM], [signal.SIGINT],
+                                     [signal.SIGHUP, signal.SIGTERM]],
+                         ids=["SIGHUP", "SIGTERM", "SIGINT", "SIGHUP-then-SIGTERM"])
+def test_a_hung_up_sidecar_checkpoints_and_restarted_never_serves_a_lower_counter(tmp_path: Path,
+                                                                                  signums: list[int]) -> None:
+    """``kvobs serve`` in a terminal, ssh or tmux session that closes gets SIGHUP. Before the fix it died
+    without its exit checkpoint: restarted, it served the counters of its last periodic checkpoint (up
+    to 5 s old), lower than before, which Prometheus reads as a counter reset. The engine here writes
+    its journal, then the sidecar reads it, then the engine goes on and exits; a checkpoint taken only
+    on the way out holds the later counts, and the restarted sidecar serves them from its first scrape
+    on, whatever it reads (the engine's files are gone: only the checkpoint can know)."""
+    sidecar = Sidecar(tmp_path).start()
+    engine = LiveEngine(tmp_path, engine="0", model_name="model-a")
+    try:
+        engine.say("store 3", "stored")
+        wait_for(lambda: stored(sidecar.url, "model-a") == 3, what="the first stores on /metrics")
+        checkpoint = tmp_path / CHECKPOINT
+        before = wait_for(lambda: checkpoint.exists() and checkpoint.stat().st_mtime_ns, what="a checkpoint")
+        wait_for(lambda: checkpoint.stat().st_mtime_ns != before, timeout=CHECKPOINT_EVERY_S + 5,
+                 what="the next periodic checkpoint")  # with 3: the next is CHECKPOINT_EVERY_S away
+        engine.say("store 4", "stored")
+        wait_for(lambda: stored(sidecar.url, "model-a") == 7, what="the later stores on /metrics")
+        engine.exit()
+        served = stored(sidecar.url, "model-a")
+        assert sidecar.proc is not None
+        for signum in signums:  # a second one (the supervisor's SIGTERM after the hang-up) must not cut it short
+            sidecar.proc.send_signal(signum)
+        status = sidecar.proc.wait(timeout=15)
+        shutil.rmtree(tmp_path / "journal")  # the engine's files rotated away meanwhile: the checkpoint alone knows
+        restarted = Sidecar(tmp_path).start()
+        try:
+            assert stored(restarted.url, "model-a") >= served == 7
+        finally:
+            restarted.stop()
+        assert status == 0, sidecar.log_lines()
+    finally:
+        engine.kill()
+        sidecar.stop()
