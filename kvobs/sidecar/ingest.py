@@ -171,12 +171,16 @@ class Ingest:
         """Fold the reports not read yet, taking each one's line (FailureLines); how many were folded."""
         state = self.state
         folded = 0
+        listed = False
         try:
             _check_listable(self.dir / FAILURES_DIR)  # list_reports() would hide it as an empty directory
             self.unreadable.pop(str(self.dir / FAILURES_DIR), None)
+            listed = True
         except OSError as exc:
             self._unreadable(self.dir / FAILURES_DIR, exc)
         paths, strays = list_reports(self.dir / FAILURES_DIR)
+        if listed:  # bounded: forget the reports the engines pruned (a name never comes back: time, pid, n)
+            state.reports_seen &= {p.stem for p in paths} | {p.name for p in paths} | {p.name for p in strays}
         for path in strays:
             if path.name not in state.reports_seen:
                 state.reports_seen.add(path.name)
