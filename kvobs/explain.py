@@ -202,10 +202,9 @@ def scan_log(stream: BinaryIO) -> LogScan:
     """Distinct offload assertions in a log, however the log was shipped: distinct by wording, key and
     engine, and by the request and cause kvobs's message names (issue 31, class 6: two engines failing
     on one key, or two survived loads of one key in one engine, are different failures). A line
-    without kvobs's message is counted with the first assertion of its key on its engine."""
-    entries: list[LoggedAssertion] = []
-    found: dict[tuple[Any, ...], LoggedAssertion] = {}
-    first: dict[tuple[Any, ...], LoggedAssertion] = {}  # (wording, key, state, engine) -> its first assertion
+    without kvobs's message is counted with the first assertion of its key on its engine, a line of no
+    engine (another process re-logging it) with the first of its key (and request and cause) on any."""
+    index = _Found()
     dropped: set[tuple[Any, ...]] = set()
     untracked = 0
     damage: list[str] = []
@@ -222,22 +221,17 @@ def scan_log(stream: BinaryIO) -> LogScan:
                     state = "missing" if match["what"].startswith("not found") else "not_ready"
                     engine_match = ENGINE.search(text) or ENGINE.search(line)
                     engine = None if engine_match is None else (engine_match["dp"] or "0")  # vLLM's engine label
-                    base = (match["noun"], match["key"], state, engine)
+                    keyed = (match["noun"], match["key"], state)
                     told = _kvobs_told(text, match.end())
-                    ident = base if told is None else (*base, told.req_id, told.cause)
-                    known = found.get(ident) if told is not None else first.get(base)
+                    part = None if told is None else (told.req_id, told.cause)
+                    known = index.find(keyed, engine, part)
                     if known is None and told is not None:
-                        untold = found.get(base)  # first logged without kvobs's message: this is its message
-                        if untold is not None and untold.kvobs_cause is None and untold.kvobs_req_id is None:
-                            _tell(untold, told)
-                            del found[base]
-                            found[ident] = untold
-                            untold.occurrences += 1
-                            continue
+                        known = index.tell_untold(keyed, engine, told)
                     if known is not None:
                         known.occurrences += 1
                         continue
-                    if len(entries) >= MAX_ASSERTIONS:
+                    if len(index.entries) >= MAX_ASSERTIONS:
+                        ident = (keyed, engine, part)
                         if ident in dropped:
                             continue
                         if len(dropped) < MAX_DROPPED_TRACKED:
@@ -259,10 +253,50 @@ def scan_log(stream: BinaryIO) -> LogScan:
                     )
                     if told is not None:
                         _tell(entry, told)
-                    entries.append(entry)
-                    found[ident] = entry
-                    first.setdefault(base, entry)
+                    index.add(entry, keyed, part)
+    entries = index.entries
     return LogScan(entries, len(dropped) + untracked, damage)
+
+
+class _Found:
+    """The assertions found so far, by what tells them apart (:func:`scan_log`): ``keyed`` is (wording,
+    key, state), ``part`` the (request, cause) kvobs's message names (None: the line has none). A line
+    of no engine (no ``EngineCore`` prefix: another process re-logging it) joins the first assertion
+    of its key and part on any engine."""
+
+    def __init__(self) -> None:
+        self.entries: list[LoggedAssertion] = []
+        self._by_part: dict[tuple[Any, ...], LoggedAssertion] = {}  # (keyed, engine, part)
+        self._first: dict[tuple[Any, ...], LoggedAssertion] = {}  # (keyed, engine): the key's first
+
+    def find(self, keyed: tuple[str, str, str], engine: str | None, part: tuple[Any, ...] | None
+             ) -> LoggedAssertion | None:
+        if part is None:  # no kvobs message: counted with the first assertion of its key on its engine
+            return self._first.get((keyed, engine))
+        return self._by_part.get((keyed, engine, part))
+
+    def tell_untold(self, keyed: tuple[str, str, str], engine: str | None, told: _Told) -> LoggedAssertion | None:
+        """The assertion first logged without kvobs's message on this engine, now told by it (None if
+        there is none still untold)."""
+        untold = self._by_part.get((keyed, engine, None))
+        if untold is None or untold.kvobs_cause is not None or untold.kvobs_req_id is not None:
+            return None
+        _tell(untold, told)
+        for slot in ((keyed, engine, None), (keyed, untold.engine, None), (keyed, None, None)):
+            if self._by_part.get(slot) is untold:
+                del self._by_part[slot]
+        self._register(untold, keyed, (told.req_id, told.cause))
+        return untold
+
+    def add(self, entry: LoggedAssertion, keyed: tuple[str, str, str], part: tuple[Any, ...] | None) -> None:
+        self.entries.append(entry)
+        self._register(entry, keyed, part)
+        self._first.setdefault((keyed, entry.engine), entry)
+        self._first.setdefault((keyed, None), entry)
+
+    def _register(self, entry: LoggedAssertion, keyed: tuple[str, str, str], part: tuple[Any, ...] | None) -> None:
+        self._by_part.setdefault((keyed, entry.engine, part), entry)
+        self._by_part.setdefault((keyed, None, part), entry)
 
 
 @dataclass(frozen=True)

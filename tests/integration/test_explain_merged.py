@@ -72,3 +72,20 @@ def test_the_sidecars_reports_are_matched_the_same_way(merged: tuple[Path, Path]
         sidecar.stop()
     assert {(a["engine"], a["kvobs_req_id"]): tuple(a["report_causes"]) for a in assertions} == {
         failure: (cause,) for failure, cause in FAILURES.items()}
+
+
+def test_the_same_failure_logged_again_is_counted_not_repeated(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    """Re-logged by a process of no engine (the API server), or cut before kvobs's message: counted with
+    the failure it repeats, not a failure of its own."""
+    log, _ = merged
+    lines = log.read_text().splitlines()
+    dp0_first, dp1_first = lines[0], lines[1]  # req-a-dp0's and req-a-dp1's
+    again = [
+        "(APIServer pid=7) ERROR " + dp0_first.split(") ", 1)[1],
+        dp1_first.split(" (group=", 1)[0],  # vLLM's text alone, kvobs's message cut off
+    ]
+    relogged = tmp_path / "relogged.log"
+    relogged.write_text("\n".join(lines + again) + "\n")
+    assertions = _explained(str(relogged))
+    assert {(a["engine"], a["kvobs_req_id"]): a["occurrences"] for a in assertions} == {
+        ("0", "req-a-dp0"): 2, ("0", "req-b-dp0"): 1, ("1", "req-a-dp1"): 2, ("1", "req-b-dp1"): 1}
