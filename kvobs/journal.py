@@ -152,12 +152,19 @@ def announce_unobserved(options: Options, vllm_version: str, reason: str, detail
     writer = Writer(engine, os.getpid(), os.urandom(6).hex(), fit_model_name(options.model_name or ""))
     line = encode_hello(writer, time.time(), version=__version__, vllm_version=vllm_version, history_size=0,
                         hot_path="", observing=False, reason=reason, detail=detail)
-    path = journal_dir / journal_name(journal_stem(engine, os.getpid()), 0)
+    path = journal_dir / journal_name(_claim_stem(journal_dir, engine), 0)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
+        _hold(fd)
         write_all(fd, (line + "\n").encode())
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    _announcements.append(fd)  # open, held, for the process's life: a live engine's line is never pruned
+
+
+_announcements: list[int] = []
+"""The files of this process's unobserved announcements (one per manager kvobs stepped aside from)."""
 
 
 class JournalFiles:

@@ -23,7 +23,11 @@ from typing import Any
 
 import pytest
 
+from kvobs.journal import JournalFiles
+from kvobs.options import Options
 from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
+from kvobs.wire.decode import JournalPosition, read_new_records
+from tests.support.faults import tmpfs
 from tests.support.services import ROOT, Sidecar, clean_env, wait_for
 from tests.support.sidecar_input import scrape
 
@@ -171,10 +175,6 @@ def test_kvobs_cuts_a_failed_append_back_to_its_last_whole_line(tmp_path: Path) 
     """kvobs's own cut-back after a short write on a full disk: it used to cut the whole append off,
     whole lines a reader may already have read included, so the file shrank under that reader's
     position. Now only the partial line goes; the reader's position stays inside the file."""
-    from kvobs.journal import JournalFiles
-    from kvobs.options import Options
-    from kvobs.wire.decode import JournalPosition
-    from tests.support.faults import tmpfs
 
     with tmpfs(tmp_path / "mnt", size="64k") as mount:
         files = JournalFiles(mount / "kvobs", "0", Options())
@@ -200,8 +200,6 @@ def test_kvobs_cuts_a_failed_append_back_to_its_last_whole_line(tmp_path: Path) 
         filler.unlink()
         files.write(b"after\n")
         files.close()
-        from kvobs.wire.decode import read_new_records
-
         list(read_new_records(segment, position))
         assert not position.rewound and position.offset == len(data) + len(b"after\n")
 
@@ -244,3 +242,23 @@ def test_a_hung_up_sidecar_checkpoints_and_restarted_never_serves_a_lower_counte
     finally:
         engine.kill()
         sidecar.stop()
+
+
+def test_an_engine_running_unobserved_keeps_its_line_when_another_with_its_label_starts(tmp_path: Path) -> None:
+    """An engine kvobs stepped aside from writes one line saying so (``kvobs_observing 0``). Another engine
+    with the same label starting in the same directory must not prune it while that engine lives."""
+
+    script = ("import sys; from kvobs.journal import announce_unobserved; from kvobs.options import Options; "
+              f"announce_unobserved(Options(dir={str(tmp_path)!r}, engine='0'), 'test', 'error', 'why'); "
+              "print('ready', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=clean_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        (announced,) = (tmp_path / "journal").iterdir()
+        JournalFiles(tmp_path, "0", Options(journal_processes=0)).close()
+        assert announced.exists()
+    finally:
+        child.communicate(timeout=30)
+    JournalFiles(tmp_path, "0", Options(journal_processes=0)).close()  # dead now: pruned as an earlier process
+    assert not announced.exists()
