@@ -5,9 +5,10 @@ method's name, signature and wrapped function. kvobs's taps are compiled objects
 that have none of these and take no new attributes: ``inspect.signature`` raised, ``functools.wraps``
 kept the wrapper's own name, and an autospec'd spy accepted a call without arguments. So a tap is
 handed out inside a ``functools.partial`` without arguments: a C object that passes the call on as it
-came (no Python frame; about 15 ns a call) and carries the bare method's ``__name__``,
-``__qualname__``, ``__doc__``, ``__module__``, ``__signature__`` and, as ``functools.wraps`` sets it,
-``__wrapped__`` (the inner manager's own bound method).
+came, with no Python frame, and carries the bare method's ``__name__``, ``__qualname__``, ``__doc__``,
+``__module__``, ``__signature__`` and, as ``functools.wraps`` sets it, ``__wrapped__`` (the inner
+manager's own bound method). It costs about 30 ns a call (a CPU manager's lookup: bare 234 ns, through
+the tap 430, through the partial 460; medians of 21 interleaved runs on the 2-core test machine).
 
 ``mock.create_autospec`` reads a callable object's signature from its ``__call__`` attribute, which
 for a ``partial`` is C's ``(*args, **kwargs)``: the partial's ``__call__`` attribute is the partial
