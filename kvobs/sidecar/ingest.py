@@ -114,6 +114,8 @@ class Ingest:
             positions = {f.name: state.positions.get(f.name, (0, False)) for f in files}
             state.retire_writers({stem_of(name) for name in present})
         for path in files:
+            if self._stop.is_set():  # stopping: the exit checkpoint must not wait for a long round (serve's join)
+                break
             self._read_journal(path, *positions[path.name])
         with self.lock:
             new_reports = self._read_reports()

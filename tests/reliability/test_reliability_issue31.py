@@ -25,11 +25,11 @@ import pytest
 
 from kvobs.journal import JournalFiles
 from kvobs.options import Options
-from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S
+from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S, Ingest
 from kvobs.wire.decode import JournalPosition, read_new_records
 from tests.support.faults import tmpfs
 from tests.support.services import ROOT, Sidecar, clean_env, wait_for
-from tests.support.sidecar_input import scrape
+from tests.support.sidecar_input import scrape, write_engine
 
 pytestmark = pytest.mark.slow
 
@@ -262,3 +262,18 @@ def test_an_engine_running_unobserved_keeps_its_line_when_another_with_its_label
         child.communicate(timeout=30)
     JournalFiles(tmp_path, "0", Options(journal_processes=0)).close()  # dead now: pruned as an earlier process
     assert not announced.exists()
+
+
+def test_a_stopping_sidecar_reads_no_further_file_before_its_exit_checkpoint(tmp_path: Path) -> None:
+    """``kvobs serve`` waits 10 s for its ingest thread's exit checkpoint; a round over a long backlog
+    could outlast that, and the process ended without it. Once stopping, a round reads no further file."""
+    for engine in ("0", "1"):
+        write_engine(tmp_path, engine, removals=3)
+    ingest = Ingest(tmp_path)
+    ingest.stop()
+    ingest.poll()
+    assert ingest.state.positions == {} and ingest.state.engines == {}
+    ingest.checkpoint()
+    restarted = Ingest(tmp_path)
+    restarted.poll()  # what the stopped one left unread is read after the restart
+    assert {identity[1] for identity in restarted.state.engines} == {"0", "1"}
