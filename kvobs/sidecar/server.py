@@ -24,7 +24,7 @@ sidecar's log line of each failure names it.
 
 ``GET /api/v1/failures``: failure reports, newest first, as ``{"failures": [...], "next": URL|null}``.
 Each report is the file the engine wrote (every field of the message), plus its ``id`` (the
-file's stem; ids sort by time) and, per group of ``missing_summary.ages``, the histogram's
+file's stem; ids sort in write order) and, per group of ``missing_summary.ages``, the histogram's
 ``bounds`` (upper bounds in seconds, the last ``"+Inf"``) next to its ``counts``. Parameters,
 all optional; ``engine``, ``model_name`` and ``cause`` may repeat (any of the values matches):
 
@@ -160,7 +160,7 @@ class FailureQuery:
 
 
 def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:
-    """(id, path) of the report files, newest first (ids sort by time; one order for ``before``)."""
+    """(id, path) of the report files, newest first (ids sort in write order; one order for ``before``)."""
     return [(path.stem, path) for path in report_files(failures_dir)]
 
 

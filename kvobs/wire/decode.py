@@ -459,7 +459,7 @@ def list_reports(failures_dir: Path) -> tuple[list[Path], list[Path]]:
     """The report files in ``failures_dir``, newest first, and the other ``*.json`` files there.
 
     The one rule of the sidecar's ingest, its API and ``kvobs explain --dir``: a report is a file named
-    as kvobs names them (:data:`REPORT_ID`; ids, hence names, sort by time), so every report listed is
+    as kvobs names them (:data:`REPORT_ID`; ids, hence names, sort in write order), so every report listed is
     one the API's ``before`` accepts; any other file is not a kvobs report (a reader that counts what
     it skips counts it). Dot files are writes in progress, neither.
     """

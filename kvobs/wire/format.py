@@ -74,7 +74,8 @@ ENGINE_LABEL_RULE = (f"1-{MAX_ENGINE_LABEL} letters, digits, '_', '.', ':' or '-
                      "or digit")
 """:data:`ENGINE_LABEL` in words, for the errors of the option check and the API."""
 REPORT_ID = re.compile(rf"\d{{15}}-(?:{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
-"""A failure report's id, the stem of its file name (:func:`report_name`); ids sort by time."""
+"""A failure report's id, the stem of its file name (:func:`report_name`); ids sort in the order
+reports were written (by time, unless the clock stepped back)."""
 
 JOURNAL_DIR = "journal"
 FAILURES_DIR = "failures"
