@@ -72,3 +72,12 @@ def test_names_follow_the_clock_again_once_it_has_caught_up(tmp_path: Path) -> N
     kept = [(report["req_id"], report["id"]) for report in iter_reports(tmp_path / "kvobs" / "failures")]
     assert [req for req, _ in kept] == ["req-4", "req-3", "req-2"]
     assert failures[4][1] < failures[1][1]  # req-4's wall time is before req-1's: the names are not
+
+
+def test_an_engine_restarted_with_its_clock_behind_keeps_its_first_report(tmp_path: Path) -> None:
+    """The clock behind when the engine starts again (a VM restored from a snapshot): the new process's
+    first report is named after the reports the earlier process left, and kept."""
+    _run_engine(tmp_path, [0, 0, 0])
+    [(req, _)] = _run_engine(tmp_path, [-120])
+    kept = [report["req_id"] for report in iter_reports(tmp_path / "kvobs" / "failures")]
+    assert req == "req-0" and kept == ["req-0", "req-2", "req-1"]  # the new process's first, then the earlier's
