@@ -42,11 +42,11 @@ def main() -> None:
             clock.write_text(f"{offset:+.3f}\n")  # the clock steps: every later wall time is off by this much
             victim = ReqContext(f"req-{n}")
             manager.on_new_request(victim)
-            chunk = key(10 * n + 1)
+            chunk = key((n + 1) << 192 | 1)  # each failure's own hash prefix, as real block hashes have
             manager.prepare_store([chunk], writer)
             manager.complete_store([chunk], writer)
             assert manager.lookup(chunk, victim).name == "HIT"
-            fillers = [key(10 * n + 2), key(10 * n + 3)]  # a 2-chunk tier: they evict the victim's chunk
+            fillers = [key((n + 1) << 192 | 2), key((n + 1) << 192 | 3)]  # a 2-chunk tier: evict the chunk
             manager.prepare_store(fillers, writer)
             manager.complete_store(fillers, writer)
             try:
