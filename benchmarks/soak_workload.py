@@ -127,41 +127,55 @@ def abort_early(server: VllmServer, prompt: str, max_tokens: int) -> bool:
 
 @dataclass
 class Traffic:
-    """One engine's client: walks ``actions(seed)`` until ``stop``; waits at an action's end while ``held``."""
+    """The clients of every engine, in lockstep: each action runs on every engine at once and the next
+    one starts when all are done, so the engines do the same work at the same time and their memory
+    can be compared sample by sample. Walks ``actions(seed)`` until ``stop``; while ``held``, waits
+    (``idle`` set) at an action's end."""
 
-    server: VllmServer
+    servers: dict[str, VllmServer]
     seed: int
     stop: threading.Event
     held: threading.Event
     idle: threading.Event = field(default_factory=threading.Event)
-    counts: Counter[str] = field(default_factory=Counter)
-    errors: list[str] = field(default_factory=list)
+    kinds: Counter[str] = field(default_factory=Counter)
+    counts: dict[str, Counter[str]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in self.servers:
+            self.counts[name], self.errors[name] = Counter(), []
 
     def run(self) -> None:
-        with ThreadPoolExecutor(max_workers=6) as pool:
-            for action in actions(self.seed):
-                while self.held.is_set() and not self.stop.is_set():
-                    self.idle.set()
-                    self.stop.wait(0.1)
-                self.idle.clear()
-                if self.stop.is_set():
-                    break
-                try:
-                    self.act(action, pool)
-                except Exception as exc:  # noqa: BLE001 (counted and reported: the soak fails on any)
-                    self.errors.append(f"{action.kind}: {type(exc).__name__}: {exc}"[:500])
-        self.idle.set()
+        pools = {name: ThreadPoolExecutor(max_workers=6) for name in self.servers}
+        try:
+            with ThreadPoolExecutor(max_workers=len(self.servers)) as sides:
+                for action in actions(self.seed):
+                    while self.held.is_set() and not self.stop.is_set():
+                        self.idle.set()
+                        self.stop.wait(0.1)
+                    self.idle.clear()
+                    if self.stop.is_set():
+                        break
+                    self.kinds[action.kind] += 1
+                    list(sides.map(lambda name, a=action: self.act(name, a, pools[name]), self.servers))
+        finally:
+            for pool in pools.values():
+                pool.shutdown()
+            self.idle.set()
 
-    def act(self, action: Action, pool: ThreadPoolExecutor) -> None:
-        self.counts[action.kind] += 1
-        if action.kind == "pause":
-            self.stop.wait(action.pause_s)
-        elif action.kind == "disconnect":
-            self.counts["chunks_before_hang_up"] += disconnect_mid_stream(
-                self.server, action.prompts[0], action.max_tokens, action.cut_after)
-        elif action.kind == "abort":
-            self.counts["gave_up"] += abort_early(self.server, action.prompts[0], action.max_tokens)
-        else:
-            done = list(pool.map(lambda p: self.server.complete(p, action.max_tokens, timeout=REQUEST_TIMEOUT_S),
-                                 action.prompts))
-            self.counts["completions"] += len(done)
+    def act(self, name: str, action: Action, pool: ThreadPoolExecutor) -> None:
+        server, counts = self.servers[name], self.counts[name]
+        try:
+            if action.kind == "pause":
+                self.stop.wait(action.pause_s)
+            elif action.kind == "disconnect":
+                counts["chunks_before_hang_up"] += disconnect_mid_stream(
+                    server, action.prompts[0], action.max_tokens, action.cut_after)
+            elif action.kind == "abort":
+                counts["gave_up"] += abort_early(server, action.prompts[0], action.max_tokens)
+            else:
+                done = list(pool.map(lambda p: server.complete(p, action.max_tokens, timeout=REQUEST_TIMEOUT_S),
+                                     action.prompts))
+                counts["completions"] += len(done)
+        except Exception as exc:  # noqa: BLE001 (kept and reported: the soak fails on any)
+            self.errors[name].append(f"{action.kind}: {type(exc).__name__}: {exc}"[:500])

@@ -34,8 +34,9 @@ def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_righ
     failed = [f"{c['name']}: {c['detail']}" for c in results["checks"] if not c["ok"]]
     assert not failed, "\n".join(failed)
     assert results["passed"]
-    kvobs = results["traffic"]["kvobs"]
-    assert kvobs["completions"] > 20 and kvobs["disconnect"] > 0 and kvobs["abort"] + kvobs["burst"] > 0, kvobs
+    actions, kvobs = results["traffic"]["actions"], results["traffic"]["kvobs"]
+    assert actions["disconnect"] > 0 and actions["abort"] > 0 and actions["burst"] > 0, actions
+    assert kvobs["completions"] > 20 and kvobs["chunks_before_hang_up"] > 0, kvobs
     end = results["samples"][-1]
     assert end["kvobs"]["vllm"]["load_bytes"] > 0 and end["sidecar"]["evicted_chunks"] > 0, end
     assert end["kvobs"]["vllm"]["spec_drafts"] > 0, "the n-gram speculator drafted nothing"
