@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import main_args, soak
+from benchmarks.soak import main_args, report, soak
 
 SOAK_ENV = "KVOBS_SOAK"
 
@@ -31,6 +31,7 @@ def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_righ
     args = main_args(["--engine-python", str(engine_python), "--duration", "3m", "--defects",
                       "--out", str(tmp_path / "soak")])
     results = soak(args)
+    report(results)  # the soak's table and checks, shown with -s or when the test fails
     failed = [f"{c['name']}: {c['detail']}" for c in results["checks"] if not c["ok"]]
     assert not failed, "\n".join(failed)
     assert results["passed"]
