@@ -29,9 +29,9 @@ counters of both ends. At the end (benchmarks/soak_checks.py for the slope test)
 
 ``--defects``: the kvobs engine's tier carries the injected defect of benchmarks/soak_defect.py, armed at
 seeded random times (``--defect-every`` seconds on average), with survive mode on
-(``kv_load_failure_policy: recompute``); each time it fires: one failure report with the right cause
-(``evicted_after_lookup``), recomputed, one survive line in vLLM's log, counted once by the sidecar, the
-engine still serving (and the probes still equal).
+(``kv_load_failure_policy: recompute``); each time it fires: one failure report, recomputed, with the
+cause vLLM's own assertion text implies (``CAUSE_OF_VLLMS_MESSAGE``), one survive line in vLLM's log,
+counted once by the sidecar, the engine still serving (and the probes still equal).
 
 Usage: python -m benchmarks.soak --engine-python .venv-cpu-0.32.0/bin/python --duration 2h
          [--sample-every 60] [--seed 0] [--defects] [--out DIR] [--json F]
