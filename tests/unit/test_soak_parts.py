@@ -1,0 +1,50 @@
+"""The soak's parts that need no engine (benchmarks/soak.py): the slope test, durations, the seeded
+traffic, the cause a defect's report must name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from benchmarks.soak import expected_cause, parse_duration
+from benchmarks.soak_checks import flat, slope_per_hour
+from benchmarks.soak_workload import KINDS, actions
+
+
+def test_the_slope_is_the_least_squares_line_per_hour() -> None:
+    assert slope_per_hour([0, 1800, 3600], [100, 105, 110]) == pytest.approx(10.0)
+    assert slope_per_hour([0, 60, 120, 180], [5, 9, 5, 9]) == pytest.approx(3600 * 4 / 300)  # noise fits a line too
+    assert slope_per_hour([7], [1]) == 0.0
+
+
+def test_growth_beyond_the_baseline_and_the_allowance_fails() -> None:
+    times = [600 * i for i in range(13)]  # two hours
+    bare = [1000 + 20 * i for i in range(13)]  # the engine's own growth, 120 MiB/h
+    same, _ = flat("x", times, [v + 10 for v in bare], bound_mib_per_hour=8, noise_mib=16, baseline_mib=bare)
+    leak, figures = flat("x", times, [v + 3 * i for i, v in enumerate(bare)], bound_mib_per_hour=8, noise_mib=16,
+                         baseline_mib=bare)
+    assert same.ok and not leak.ok  # 18 MiB/h beyond bare: 36 MiB over 2 h > max(16, 8 x 2)
+    assert figures["fitted_growth_mib"] == pytest.approx(36.0) and figures["allowed_growth_mib"] == 16.0
+    short, _ = flat("x", [0, 60, 120], [0, 5, 10], bound_mib_per_hour=8, noise_mib=16)
+    assert short.ok  # 300 MiB/h, but 10 MiB over 2 minutes: within the noise a short run cannot resolve
+
+
+def test_durations() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "10m", "2h", "1.5h")] == [90, 90, 600, 7200, 5400]
+    with pytest.raises(ValueError):
+        parse_duration("2 hours")
+
+
+def test_the_traffic_is_seeded_and_has_every_kind() -> None:
+    first, again = (list(itertools.islice(actions(7), 400)) for _ in range(2))
+    assert first == again and first != list(itertools.islice(actions(8), 400))
+    assert {a.kind for a in first} == set(KINDS)
+    assert all(a.prompts for a in first if a.kind != "pause")
+    assert max(len(p.split()) for a in first for p in a.prompts) < 800  # within the model's 1024 tokens
+
+
+def test_the_cause_a_report_must_name_is_the_one_vllms_message_implies() -> None:
+    assert expected_cause({"vllm_message": "Chunk b'x' not found in cache"}) == "evicted_after_lookup"
+    assert expected_cause({"vllm_message": "Chunk b'x' is not ready for reading"}) == "store_in_flight"
+    assert expected_cause({"vllm_message": "something else"}) is None
