@@ -214,6 +214,9 @@ def _clean_up(demo: subprocess.Popen[bytes], children: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+ENDS_WITHIN_S = 120
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: signal.Signals) -> None:
@@ -236,11 +239,14 @@ def test_the_demo_ends_its_sidecar_whatever_signal_ends_it(tmp_path: Path, sig: 
             time.sleep(0.1)
         demo.send_signal(sig)
         try:
-            status = demo.wait(timeout=30)
+            # A stop that arrives while vLLM and torch import is acted on after the import (children.stops_deferred):
+            # on a loaded 2-core machine the import alone took over 30 s (a clean-clone make test beside a soak).
+            status = demo.wait(timeout=ENDS_WITHIN_S)
         except subprocess.TimeoutExpired:
             demo.kill()
             err = demo.communicate()[1] or b""
-            raise AssertionError(f"the demo did not end within 30 s of {sig.name}: {err.decode()[-3000:]}") from None
+            raise AssertionError(f"the demo did not end within {ENDS_WITHIN_S} s of {sig.name}: "
+                                 f"{err.decode()[-3000:]}") from None
         assert _ends(sidecar), f"kvobs serve (pid {sidecar}) outlived the demo ended by {sig.name}"
         assert status == (-sig if sig == signal.SIGKILL else 128 + sig), demo.stderr.read() if demo.stderr else ""
     finally:
