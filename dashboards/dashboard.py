@@ -86,6 +86,15 @@ def panels(config: Config) -> list[Spec]:
     def quantile(q: float, metric: str, selector: str, by: str) -> str:
         return f"histogram_quantile({q}, {rate(metric + '_bucket', selector, f'le, {by}' if by else 'le')})"
 
+    def stored_and_loaded(panel_id: int, title: str, description: str, what: str, unit: str) -> Spec:
+        """The tier's stores and loads of ``kvobs_{stored,loaded}_<what>_total``, per second and tier."""
+        sides = ("stored", "loaded")
+        counters = " or ".join(f"kvobs_{side}_{what}_total" for side in sides)
+        return timeseries_panel(panel_id, title, description + SIDECAR_ONLY.format(counters),
+                                [Query(f"sum by (tier) (rate(kvobs_{side}_{what}_total{{{e}}}[$__rate_interval]))",
+                                       f"{side} {{{{tier}}}}") for side in sides],
+                                ds, unit=unit, w=6)
+
     near_misses = either_path(sel, rate, "hits_evicted_before_load_total", "reason")
     failures_per_step = either_path(sel, config.counts.count_per_step, "load_failures_total", "cause")
     residency = "kvobs_chunk_residency_seconds"
@@ -201,25 +210,13 @@ def panels(config: Config) -> list[Spec]:
                       Query(count_step(f"{residency}_bucket", "le", 'reason="capacity"'), "{{le}}"), ds),
 
         row(40, "Is the tier doing anything"),
-        timeseries_panel(41, "Chunks stored and loaded",
-                         "Chunks written to the offload tier (a store the tier took) and loaded back from it, per "
-                         "second and tier. Stores without loads: the tier costs write bandwidth and returns nothing "
-                         "(alert KvobsTierWritesNeverRead). "
-                         + SIDECAR_ONLY.format("kvobs_stored_chunks_total or kvobs_loaded_chunks_total"),
-                         [Query(f"sum by (tier) (rate(kvobs_stored_chunks_total{{{e}}}[$__rate_interval]))",
-                                "stored {{tier}}"),
-                          Query(f"sum by (tier) (rate(kvobs_loaded_chunks_total{{{e}}}[$__rate_interval]))",
-                                "loaded {{tier}}")],
-                         ds, unit="ops", w=6),
-        timeseries_panel(42, "Bytes stored and loaded",
-                         "Tier capacity those chunks took (chunks times the spec's bytes per chunk), stored and "
-                         "loaded per second and tier. "
-                         + SIDECAR_ONLY.format("kvobs_stored_bytes_total or kvobs_loaded_bytes_total"),
-                         [Query(f"sum by (tier) (rate(kvobs_stored_bytes_total{{{e}}}[$__rate_interval]))",
-                                "stored {{tier}}"),
-                          Query(f"sum by (tier) (rate(kvobs_loaded_bytes_total{{{e}}}[$__rate_interval]))",
-                                "loaded {{tier}}")],
-                         ds, unit="Bps", w=6),
+        stored_and_loaded(41, "Chunks stored and loaded",
+                          "Chunks written to the offload tier (a store the tier took) and loaded back from it, per "
+                          "second and tier. Stores without loads: the tier costs write bandwidth and returns nothing "
+                          "(alert KvobsTierWritesNeverRead). ", "chunks", "ops"),
+        stored_and_loaded(42, "Bytes stored and loaded",
+                          "Tier capacity those chunks took (chunks times the spec's bytes per chunk), stored and "
+                          "loaded per second and tier. ", "bytes", "Bps"),
         timeseries_panel(45, "Write waste",
                          "Share of the chunks removed from the CPU tier that were never loaded since their store, "
                          "by removal reason (kvobs_evicted_unread_chunks_total over kvobs_evicted_chunks_total), "
