@@ -346,6 +346,9 @@ def replay_once(trace: Trace, side: str, journal_dir: Path | None) -> tuple[floa
         for call, args in calls:
             call(*args)
         t1 = time.thread_time()
+        observer = getattr(m, "observer", None)
+        if observer is not None:
+            observer.drain()  # what kvobs's applier thread still owes for this replay (kvobs/applier.py)
         if sink is not None:
             sink.flush()  # what the writer thread still owes for this replay
         p1 = time.process_time()
@@ -367,8 +370,9 @@ def replay_interleaved(trace: Trace, journal_dir: Path) -> tuple[dict[str, float
     that goes first rotating, put every side under the same load. Each side keeps its own
     managers and request contexts; the garbage collector runs as usual (a collection lands in
     whichever slice triggers it). A journal's writer thread runs as in production (every
-    FLUSH_EVERY_S) and measures its own CPU (``JournalSink.writer_cpu_s``), which the process
-    figure adds to the side's slices.
+    FLUSH_EVERY_S) and measures its own CPU (``JournalSink.writer_cpu_s``), and kvobs's applier thread
+    its CPU per observer (``Observer.applier_cpu_s``): the process figure adds both, and what the applier
+    still owed at the end, to the side's slices; the scheduler-thread figure has neither.
     """
     bound: dict[str, tuple[OffloadingManager, list[tuple[Callable[..., Any], tuple]]]] = {}
     for side in SIDES:
@@ -388,6 +392,13 @@ def replay_interleaved(trace: Trace, journal_dir: Path) -> tuple[dict[str, float
                 for call, args in calls:
                     call(*args)
                 totals[side] += time.thread_time() - t0
+        owed = dict.fromkeys(SIDES, 0.0)
+        for side, (m, _) in bound.items():  # what kvobs's applier thread still owes, on this thread
+            observer = getattr(m, "observer", None)
+            if observer is not None:
+                t0 = time.thread_time()
+                observer.drain()
+                owed[side] = time.thread_time() - t0
         for side, (m, _) in bound.items():  # what the journal's writer thread still owes, on this thread
             sink = _journal_sink(m)
             if sink is not None:
@@ -396,9 +407,13 @@ def replay_interleaved(trace: Trace, journal_dir: Path) -> tuple[dict[str, float
                 totals[side] += time.thread_time() - t0
     finally:
         gc.unfreeze()
-    for side, (m, _) in bound.items():  # the process: this thread's slices plus the writer thread's own CPU
+    for side, (m, _) in bound.items():
+        # The process: this thread's slices, plus the applier thread's CPU for this side and what it still
+        # owed (kvobs/applier.py: applying off the scheduler thread), plus the writer thread's own CPU.
         sink = _journal_sink(m)
-        process[side] = totals[side] + (sink.writer_cpu_s if sink is not None else 0.0)
+        observer = getattr(m, "observer", None)
+        applier = owed[side] + (observer.applier_cpu_s if observer is not None else 0.0)
+        process[side] = totals[side] + applier + (sink.writer_cpu_s if sink is not None else 0.0)
         m.shutdown()
     return totals, process
 

@@ -104,6 +104,16 @@ redeems promises its lookup made in the same scheduler step, a few hundred remov
 most; an older promise is settled from the eviction history (Observer.near_missed), so this only
 bounds the fast path (it was 32,768: 6.7 MiB at a 1M-key history, issue 22)."""
 
+CAPTURE_WAKE = 4_096
+"""Captures waiting that wake kvobs's applier thread before its next round (kvobs/applier.py)."""
+CAPTURE_LIMIT = 65_536
+"""Captures the buffer holds at most (a few MiB of references): the thread that finds it full applies it
+there and then, so nothing is dropped (``kvobs_capture_buffer_full_total`` counts the times)."""
+APPLY_EVERY_S = 0.05
+"""How often kvobs's applier thread applies what every observed manager captured."""
+APPLY_BATCH = 2_048
+"""Captures applied per hold of the GIL-bound apply loop: the scheduler thread waits for at most one."""
+
 # -- histogram buckets (residency and eviction age) ------------------------------------
 
 BUCKETS: tuple[float, ...] = (

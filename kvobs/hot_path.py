@@ -20,10 +20,20 @@ Which removal came first after a promise is always asked of the eviction history
 near misses and at a failed load; where the history no longer holds it, the cause says
 ``unknown`` and no near miss is counted: the evidence is gone for both alike.
 
-Everything else about a removal batch (history, counters, sinks) is queued and folded by the
-observer in bulk (``Recorder.take_run``): when the queue reaches ``drain_keys`` keys or
-``drain_batches`` batches, whenever anything reads the evidence, and when the journal's
-writer wakes.
+Capture, then apply (issue 33). On vLLM's scheduler thread a tap only calls vLLM and appends
+what happened to a bounded buffer (``Recorder.captures``): the call's kind, its keys and request
+context as references, its result, the time. The recording itself (promises, the recent-removals
+memory, serials, near misses, the removal queue, the tier counters' read bits) is done by
+:meth:`Recorder.apply`, which takes captures in the order they were made, so it computes exactly
+what recording inline computed. The observer applies (``Observer.drain``) on kvobs's applier
+thread (kvobs/applier.py) every ``APPLY_EVERY_S`` or when ``CAPTURE_WAKE`` captures wait, on the
+journal writer's wake, whenever anything reads the evidence, and first of all on a failed load,
+before the diagnosis. A buffer at ``CAPTURE_LIMIT`` is applied by the thread that captures, then
+and there (counted: ``kvobs_capture_buffer_full_total``): nothing is dropped, so nothing is
+diagnosed from less than all of it (kvobs.codes, "the recorder's defaults").
+
+Removal batches, once applied, are queued and folded by the observer into the history and the
+sinks in bulk (``Recorder.take_run``).
 
 A *tap* stands in for one of vLLM's bound methods: it calls it with the caller's exact
 arguments, returns its result or lets its exception through untouched, and records around
@@ -41,12 +51,15 @@ import copy
 import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import Any, NamedTuple
 
 from kvobs.codes import (
     CAPACITY,
+    CAPTURE_LIMIT,
+    CAPTURE_WAKE,
     DEFERRED_RELEASE,
     DRAIN_BATCHES,
     DRAIN_KEYS,
@@ -61,6 +74,14 @@ monotonic = time.monotonic
 _UNKNOWN = float("nan")
 _NUM_REASONS: int = len(REASONS)
 _REASON_BITS: int = REASON_BITS
+
+# What a capture is (its first item; Recorder.apply takes each kind apart):
+_LOOKUP = 0  # (_LOOKUP, key, req_context, result, monotonic time)
+_LOAD = 1  # (_LOAD, keys, req_context, result): a load that succeeded
+_FINISH = 2  # (_FINISH, req_context)
+_REMOVAL = 3  # (_REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids)
+_EVICTED = 4  # (_EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency)
+_STAGE_OF_KIND = ("record.lookup", "record.load", "record.finish", "record.removal", "record.removal")
 
 
 class Verdict(NamedTuple):
@@ -291,9 +312,12 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> 
 
 
 class Recorder:
-    """Taps, the promise table and the removal queue of one observed manager.
+    """Taps, the capture buffer, the promise table and the removal queue of one observed manager.
 
-    ``on_full()`` is called (outside any lock) when the queue asks to be drained;
+    ``on_full()`` is called (outside any lock) when the removal queue asks to be drained;
+    ``on_apply()`` applies every capture now (the observer's drain; by default :meth:`apply_all`);
+    ``on_backlog()`` asks for an apply soon (kvobs's applier thread), once each time
+    ``capture_wake`` captures wait; ``on_near(req_id, redeemed)`` hears a load's broken promises;
     ``off_thread_path()`` names the path of a removal on a thread with no tapped call.
     """
 
@@ -305,17 +329,35 @@ class Recorder:
         on_error: Callable[[str, BaseException], None],
         on_full: Callable[[], None],
         off_thread_path: Callable[[], int],
+        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object] | None = None,
+        on_apply: Callable[[], None] | None = None,
+        on_backlog: Callable[[], None] | None = None,
         recent_keys: int = RECENT_KEYS,
         drain_keys: int = DRAIN_KEYS,
         drain_batches: int = DRAIN_BATCHES,
+        capture_wake: int = CAPTURE_WAKE,
+        capture_limit: int = CAPTURE_LIMIT,
     ) -> None:
         self.promises = Promises(max_verdicts)
         self.recent = RecentRemovals(recent_keys)
         self.on_error = on_error
         self._on_full = on_full
         self._off_thread_path = off_thread_path
+        self._on_near = on_near
+        self._on_apply = on_apply
+        self._on_backlog = on_backlog
         self._drain_keys = drain_keys
         self._drain_batches = drain_batches
+        # A deque: appends from any thread and popleft() by the applier never lose one (a list swapped
+        # under a Python-form capture could).
+        self.captures: deque[tuple[Any, ...]] = deque()
+        self._capture_wake = max(1, capture_wake)
+        self._capture_limit = max(self._capture_wake, capture_limit)
+        self.captures_full = 0
+        """Times a capture found the buffer at its limit and applied it there (nothing is dropped)."""
+        self.hit: object = None
+        self.hit_pending: object = None
+        """The LookupResult members a lookup answers HIT / HIT_PENDING with (set by :meth:`lookup_tap`)."""
         self._stamps = array("d", bytes(8 * max(0, num_stamps)))
         self._lock = threading.Lock()
         self._serial = 0
@@ -333,8 +375,9 @@ class Recorder:
         # A bit per CPU-tier slot: set when its chunk is loaded, cleared when the chunk is removed, so a
         # removal tells a chunk never read since its store (issue 29: "is the tier doing anything").
         self._read = bytearray((max(0, num_stamps) + 7) >> 3)
-        self.chunk_of: Callable[[bytes], Any] | None = None
-        """The CPU tier's chunk for a key (its policy's ``get``), set when the policy is hooked."""
+        self.loaded_chunk_ids: Callable[[Any], Any] | None = None
+        """The CPU-tier slots a successful load's result names (kvobs.vllm.compat.loaded_chunk_ids), set when
+        the policy is hooked; None: loads are counted, no read bit is set."""
         # Which tapped call is running: (path code, request context, thread id), or None.
         self.frame: tuple[int, Any, int] | None = None
         self._new_columns()
@@ -360,6 +403,99 @@ class Recorder:
     def pending(self) -> int:
         """Batches queued and not yet taken."""
         return len(self._q_reqs)
+
+    @property
+    def captured(self) -> int:
+        """Captures not yet applied."""
+        return len(self.captures)
+
+    # -- capture and apply ----------------------------------------------------------------
+
+    def capture(self, item: tuple[Any, ...]) -> None:
+        """Append one capture (the only recording a tap does on the caller's thread). Never raises
+        kvobs's own faults; at the buffer's limit it applies the buffer here first."""
+        captures = self.captures
+        captures.append(item)
+        waiting = len(captures)
+        if waiting >= self._capture_wake:
+            self._backlogged(waiting)
+
+    def _backlogged(self, waiting: int) -> None:
+        if waiting >= self._capture_limit:  # full: applied here, so nothing is lost (and counted)
+            self.captures_full += 1
+            self.apply_now("record.removal")
+        elif waiting == self._capture_wake and self._on_backlog is not None:
+            try:
+                self._on_backlog()
+            except Exception as exc:
+                self.on_error("record.removal", exc)
+
+    def apply_now(self, stage: str) -> None:
+        """Every capture applied before this returns (faults counted under ``stage``)."""
+        try:
+            if self._on_apply is None:
+                self.apply_all()
+            else:
+                self._on_apply()
+        except Exception as exc:
+            self.on_error(stage, exc)
+
+    def apply_all(self) -> int:
+        """Apply every capture waiting now, in order; how many."""
+        return self.apply(len(self.captures))
+
+    def apply(self, budget: int) -> int:
+        """Apply up to ``budget`` captures, oldest first; how many. One thread at a time (the observer
+        holds its drain lock): each capture is applied to the state every earlier one left, as
+        recording inline did. A capture that faults is counted under its stage and skipped."""
+        captures = self.captures
+        done = 0
+        while done < budget:
+            try:
+                item = captures.popleft()
+            except IndexError:
+                break
+            done += 1
+            kind: int = item[0]
+            try:
+                if kind == _LOOKUP:
+                    self._apply_lookup(item[1], item[2], item[3], item[4])
+                elif kind == _LOAD:
+                    self._apply_load(item[1], item[2], item[3])
+                elif kind == _FINISH:
+                    self.promises.finished(item[1].req_id)
+                elif kind == _EVICTED:
+                    pairs = item[1]
+                    self._apply_removal([key for key, _ in pairs], CAPACITY, item[5], item[2], item[3], item[4],
+                                        False, [chunk.chunk_id for _, chunk in pairs])
+                else:
+                    self._apply_removal(item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8])
+            except Exception as exc:
+                self.on_error(_STAGE_OF_KIND[kind] if 0 <= kind < len(_STAGE_OF_KIND) else "record.removal", exc)
+        return done
+
+    def _apply_lookup(self, key: bytes, req_context: Any, result: object, now: float) -> None:
+        req_id = req_context.req_id
+        if result is self.hit:
+            self.promises.reported(req_id, key, self._code, now)
+        elif result is self.hit_pending:
+            self.promises.reported(req_id, key, self._code | 1, now)
+        else:
+            self.promises.not_reported(req_id, key)
+
+    def _apply_load(self, keys: Any, req_context: Any, result: Any) -> None:
+        try:
+            self.redeem(keys, req_context)
+        except Exception as exc:  # the load still counts
+            self.on_error("record.load", exc)
+        self.mark_loaded(len(keys), result)
+
+    def redeem(self, keys: Any, req_context: Any) -> None:
+        """A load's near misses, the one place they are redeemed, whether the load succeeded or not."""
+        req_id = req_context.req_id
+        broken = self.promises.redeemed(req_id, keys, self.recent, self._serial)
+        if broken and self._on_near is not None:
+            self._on_near(req_id, broken)
 
     def take_run(self) -> RemovalRun:
         """Everything queued, as one run (empty when nothing is); the queue starts afresh."""
@@ -393,19 +529,42 @@ class Recorder:
         unlisted: bool = False,
         chunk_ids: Sequence[int] | None = None,
     ) -> None:
-        """Queue one removal batch (``path`` -1: from the frame). ``unlisted``: a reset whose keys
-        could not be listed, taken as a removal of every key. ``chunk_ids``: the removed chunks'
+        """Capture one removal batch (``path`` -1: from the frame, read now). ``unlisted``: a reset whose
+        keys could not be listed, taken as a removal of every key. ``chunk_ids``: the removed chunks'
         slots, whose read bits say which were never loaded; None: none was (a store that failed)."""
         if not 0 <= reason < _NUM_REASONS:
             raise ValueError(f"bad reason code {reason}")
         if path < 0:
-            frame = self.frame
-            if frame is not None and frame[2] == get_ident():
-                path = frame[0]
-                req = frame[1]
-                req_id = None if req is None else req.req_id
-            else:
-                path = self._off_thread_path()
+            path, req_id = self._where()
+        self.capture((_REMOVAL, keys, reason, residency, now, path, req_id, unlisted, chunk_ids))
+
+    def evicted(self, pairs: Sequence[tuple[bytes, Any]], now: float) -> None:
+        """Capture a capacity removal batch as the policy returned it, ``[(key, chunk)]``: taken apart when
+        applied (vLLM never changes the list or its chunks' ids after it returned them)."""
+        path, req_id = self._where()
+        residency = self.ages([chunk.chunk_id for _, chunk in pairs], now) if self.keep_residency else None
+        self.capture((_EVICTED, pairs, now, path, req_id, residency))
+
+    def _where(self) -> tuple[int, str | None]:
+        """The path and request of a removal on this thread now (the running tap's frame)."""
+        frame = self.frame
+        if frame is not None and frame[2] == get_ident():
+            req = frame[1]
+            return frame[0], None if req is None else req.req_id
+        return self._off_thread_path(), None
+
+    def _apply_removal(
+        self,
+        keys: list[bytes],
+        reason: int,
+        residency: Sequence[float] | None,
+        now: float,
+        path: int,
+        req_id: str | None,
+        unlisted: bool,
+        chunk_ids: Sequence[int] | None,
+    ) -> None:
+        """Queue one captured removal batch: its serial, the recent-removals memory, the counts."""
         n = len(keys)
         lock = self._lock
         lock.acquire()
@@ -467,24 +626,18 @@ class Recorder:
             out.append(now - stamp if stamp else _UNKNOWN)
         return out
 
-    def mark_loaded(self, keys: Any) -> None:
-        """A load of ``keys`` succeeded: counted, and each chunk's read bit set."""
-        chunk_of = self.chunk_of
-        lock = self._lock
-        lock.acquire()
-        try:
-            self.loaded += len(keys)
-            if chunk_of is not None:
-                read = self._read
-                size = len(read) << 3
-                for key in keys:
-                    chunk = chunk_of(key)
-                    if chunk is not None:
-                        cid = chunk.chunk_id
-                        if 0 <= cid < size:
-                            read[cid >> 3] |= 1 << (cid & 7)
-        finally:
-            lock.release()
+    def mark_loaded(self, count: int, result: Any) -> None:
+        """A load of ``count`` chunks succeeded, answering ``result``: counted, and each of its chunks'
+        read bits set (the slots ``loaded_chunk_ids`` reads off the result, as vLLM handed them out)."""
+        self.loaded += count
+        slots = self.loaded_chunk_ids
+        if slots is None:
+            return
+        read = self._read
+        size = len(read) << 3
+        for cid in slots(result):
+            if 0 <= cid < size:
+                read[cid >> 3] |= 1 << (cid & 7)
 
     def stamp(self, chunk_id: int, now: float) -> None:
         """The chunk slot was filled now."""
@@ -496,12 +649,15 @@ class Recorder:
     def lookup_tap(
         self, inner: Callable[..., Any], *, path: int, hit: object, hit_pending: object, marks_frame: bool
     ) -> LookupTap:
-        """``lookup(key, req_context, **kw)``: a promise per HIT / HIT_PENDING, a void per other answer.
+        """``lookup(key, req_context, **kw)``: captured; applied, a promise per HIT / HIT_PENDING, a void
+        per other answer.
 
         ``marks_frame``: the lookup can remove chunks (tiering promotions), so removals
         under it are attributed to it.
         """
-        return LookupTap(self, inner, path, hit, hit_pending, marks_frame)
+        self.hit = hit
+        self.hit_pending = hit_pending
+        return LookupTap(self, inner, path, marks_frame)
 
     def keys_tap(self, inner: Callable[..., Any], *, path: int) -> KeysTap:
         """``method(keys, req_context, ...)`` (``prepare_store``, ``complete_store``): removals under it
@@ -513,7 +669,8 @@ class Recorder:
         return StoreTap(self, inner, path)
 
     def request_tap(self, inner: Callable[..., Any], *, path: int) -> RequestTap:
-        """``on_request_finished(req_context, **kw)``: removals under it attributed; then the request is gone."""
+        """``on_request_finished(req_context, **kw)``: removals under it attributed; then (captured) the request
+        is gone."""
         return RequestTap(self, inner, path)
 
     def call_tap(self, inner: Callable[..., Any], *, path: int) -> CallTap:
@@ -525,17 +682,17 @@ class Recorder:
         inner: Callable[..., Any],
         *,
         on_failure: Callable[[AssertionError, Any, Any], object],
-        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
     ) -> LoadTap:
-        """``prepare_load(keys, req_context)``: ``on_near(req_id, Promises.redeemed(...))`` for near misses
-        (and promises left to the history) on success; ``on_failure`` on vLLM's assertion.
+        """``prepare_load(keys, req_context)``: on success captured (applied: the recorder's ``on_near``
+        hears its near misses and the promises left to the history, and its chunks count as loaded);
+        on vLLM's assertion, every capture is applied first, then its near misses, then ``on_failure``.
 
         ``on_failure(exc, keys, req_context)`` runs before the assertion propagates (it appends
         the explanation to the same exception object); the assertion then leaves unchanged otherwise.
         What it returns decides: None, the assertion goes on (always, unless survive mode is on);
         anything else is returned instead (survive mode's load source, kvobs/vllm/survive.py).
         """
-        return LoadTap(self, inner, on_failure, on_near)
+        return LoadTap(self, inner, on_failure)
 
 
 # The taps are classes with vLLM's own parameter names, not ``*args, **kwargs`` closures: compiled,
@@ -548,14 +705,10 @@ _ABSENT: Any = object()
 
 
 class LookupTap:
-    def __init__(
-        self, rec: Recorder, inner: Callable[..., Any], path: int, hit: object, hit_pending: object, marks_frame: bool
-    ) -> None:
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int, marks_frame: bool) -> None:
         self.rec = rec
         self.inner = inner
         self.path = path
-        self.hit = hit
-        self.hit_pending = hit_pending
         self.marks_frame = marks_frame
 
     def __call__(self, key: bytes, req_context: Any, *, exclude_tier_idx: Any = _ABSENT) -> Any:
@@ -574,15 +727,7 @@ class LookupTap:
             result = self.inner(key, req_context)
         else:
             result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
-        try:
-            if result is self.hit:
-                rec.promises.reported(req_context.req_id, key, rec._code, monotonic())
-            elif result is self.hit_pending:
-                rec.promises.reported(req_context.req_id, key, rec._code | 1, monotonic())
-            else:
-                rec.promises.not_reported(req_context.req_id, key)
-        except Exception as exc:
-            rec.on_error("record.lookup", exc)
+        rec.capture((_LOOKUP, key, req_context, result, monotonic()))
         return result
 
 
@@ -643,10 +788,7 @@ class RequestTap:
                 result = self.inner(req_context, exclude_tier_idx=exclude_tier_idx)
         finally:
             rec.frame = before
-        try:
-            rec.promises.finished(req_context.req_id)
-        except Exception as exc:
-            rec.on_error("record.finish", exc)
+        rec.capture((_FINISH, req_context))
         return result
 
 
@@ -668,47 +810,32 @@ class CallTap:
 
 class LoadTap:
     def __init__(
-        self,
-        rec: Recorder,
-        inner: Callable[..., Any],
-        on_failure: Callable[[AssertionError, Any, Any], object],
-        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object],
+        self, rec: Recorder, inner: Callable[..., Any], on_failure: Callable[[AssertionError, Any, Any], object]
     ) -> None:
         self.rec = rec
         self.inner = inner
         self.on_failure = on_failure
-        self.on_near = on_near
 
     def __call__(self, keys: Any, req_context: Any) -> Any:
         try:
             result = self.inner(keys, req_context)
         except AssertionError as exc:
-            self.redeem(keys, req_context)  # before the diagnosis, which counts these near misses too
+            rec = self.rec
+            rec.apply_now("diagnosis")  # the diagnosis reads the evidence of every call before this one
+            try:
+                rec.redeem(keys, req_context)  # before the diagnosis, which counts these near misses too
+            except Exception as fault:
+                rec.on_error("record.load", fault)
             instead: object = None
             try:
                 instead = self.on_failure(exc, keys, req_context)
             except Exception as fault:
-                self.rec.on_error("diagnosis", fault)
+                rec.on_error("diagnosis", fault)
             if instead is None:
                 raise
             return instead  # survive mode's decision, made once, in the failure callback
-        self.redeem(keys, req_context)
-        try:
-            self.rec.mark_loaded(keys)
-        except Exception as exc:
-            self.rec.on_error("record.load", exc)
+        self.rec.capture((_LOAD, keys, req_context, result))
         return result
-
-    def redeem(self, keys: Any, req_context: Any) -> None:
-        """The load's near misses, the one place they are redeemed, whether the load succeeded or not."""
-        rec = self.rec
-        try:
-            req_id = req_context.req_id
-            broken = rec.promises.redeemed(req_id, keys, rec.recent, rec._serial)
-            if broken:
-                self.on_near(req_id, broken)
-        except Exception as exc:
-            rec.on_error("record.load", exc)
 
 
 class PolicyTap:
@@ -743,10 +870,7 @@ class EvictTap(PolicyTap):
         if evicted:
             rec = self.recorder
             try:
-                now = monotonic()
-                keys = [key for key, _ in evicted]
-                ids = [chunk.chunk_id for _, chunk in evicted]
-                rec.removal(keys, CAPACITY, rec.ages(ids, now) if rec.keep_residency else None, now, chunk_ids=ids)
+                rec.evicted(evicted, monotonic())
             except Exception as exc:
                 rec.on_error("record.removal", exc)
         return evicted

@@ -97,6 +97,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded.",
               values=DROP_STAGES, totals="dropped",
               counted="JournalSink._enqueue (journal), the recorder's promises (verdicts)"),
+    MetricDef("kvobs_capture_buffer_full", "counter", (),
+              "Times a tap found kvobs's capture buffer full and applied it on vLLM's thread (nothing dropped; "
+              "that call paid for the recording).",
+              totals="capture", part="full", counted="Recorder.capture (kvobs/hot_path.py)"),
     MetricDef("kvobs_internal_errors", "counter", ("stage",),
               "Faults of kvobs's own (counted, never raised into vLLM).",
               values=STAGES, totals="errors", counted="Observer.internal_error (kvobs/observer.py)"),

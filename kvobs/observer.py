@@ -15,10 +15,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from kvobs.codes import PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
+from kvobs.applier import APPLIER
+from kvobs.codes import APPLY_BATCH, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
-from kvobs.hot_path_loader import Breach, NearMiss, Recorder, RemovalRun, Verdict
+from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalRun, Verdict
 from kvobs.metric_catalogue import TOTALS
 from kvobs.options import Options
 from kvobs.survive import RecomputeLedger
@@ -158,10 +159,12 @@ class Observer:
             on_error=self.internal_error,
             on_full=self._drain_from_tap,
             off_thread_path=self._off_thread_path,
+            on_near=self.near_missed,
+            on_apply=self.drain,
+            on_backlog=APPLIER.wake,
             # Below the history's reach, so the history holds every removal the hot path remembers.
             recent_keys=min(RECENT_KEYS, self.options.history_size // 4),
         )
-        self.promises = self.recorder.promises
         self._sinks: tuple[Sink, ...] = ()
         self.counts: dict[str, Counter[str]] = {key: Counter(dict.fromkeys(values, 0))
                                                 for key, values in TOTALS.items()}
@@ -175,10 +178,13 @@ class Observer:
         self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour, self.counts["survive"])
         """Survive mode's ledger (its counts stay zero unless the ``survive`` option turned loads into recomputes)."""
         self._next_stats_at = 0.0
+        self.applier_cpu_s = 0.0
+        """CPU seconds kvobs's applier thread spent applying this observer's captures (kvobs/applier.py)."""
         self._drain_lock = threading.RLock()
         self._draining = False
         for sink in sinks:
             self.add_sink(sink)
+        APPLIER.serve(self)  # applies what the taps capture, off the scheduler thread (kvobs/applier.py)
 
     # -- sinks -----------------------------------------------------------------
 
@@ -205,13 +211,18 @@ class Observer:
 
     @property
     def history(self) -> EvictionHistory:
-        if self.recorder.pending:
-            self.drain()
+        self.drain()  # always: the applier thread may hold captures it took and has not queued yet
         return self._history
 
     @property
+    def promises(self) -> Promises:
+        """The promise table, every capture applied first."""
+        self.drain()
+        return self.recorder.promises
+
+    @property
     def evicted(self) -> Counter[str]:
-        """Chunks removed, by reason (counted as they are queued: no drain needed)."""
+        """Chunks removed, by reason."""
         return Counter(self.counter("evicted"))
 
     @property
@@ -221,7 +232,8 @@ class Observer:
 
     @property
     def near_misses(self) -> Counter[str]:
-        """Hits removed before their load, by the removal's reason."""
+        """Hits removed before their load, by the removal's reason (every capture applied first)."""
+        self.drain()
         return self.counts["near"]
 
     @property
@@ -231,13 +243,16 @@ class Observer:
 
     @property
     def internal_errors(self) -> Counter[str]:
-        """kvobs's own faults, by stage."""
+        """kvobs's own faults, by stage (every capture applied first: applying can find some)."""
+        self.drain()
         return self.counts["errors"]
 
     def counter(self, key: str) -> dict[str, int]:
         """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of
-        :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts)."""
+        :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts), every
+        capture applied first."""
         rec = self.recorder
+        self.drain()
         if key == "evicted":
             return dict(zip(REASONS, rec.totals()[0], strict=True))
         if key == "batches":
@@ -249,7 +264,9 @@ class Observer:
             return {CPU_TIER: chunks * self.chunk_bytes if key.endswith("_bytes") else chunks}
         out = dict(self.counts[key])
         if key == "dropped":
-            out["verdicts"] = self.promises.dropped
+            out["verdicts"] = self.recorder.promises.dropped
+        elif key == "capture":
+            out["full"] = rec.captures_full
         return out
 
     def totals(self) -> dict[str, dict[str, int]]:
@@ -259,21 +276,35 @@ class Observer:
     # -- recording -------------------------------------------------------
 
     def drain(self, block: bool = True) -> None:
-        """Fold every queued removal batch, in serial order (``block=False``: skip if another thread is)."""
+        """Apply every capture waiting now and fold every queued removal batch, in order (``block=False``:
+        skip if another thread is). Applies in rounds of ``APPLY_BATCH`` captures, each under the drain
+        lock, folding after each, so a thread waiting for this one waits for at most a round."""
         lock = self._drain_lock
-        if not lock.acquire(blocking=block):
-            return
-        try:
-            if self._draining:  # re-entered from a sink on this thread: the outer drain goes on
+        rec = self.recorder
+        waiting = rec.captured  # what is there now; later captures are the next drain's
+        while True:
+            if not lock.acquire(blocking=block):
                 return
-            self._draining = True
             try:
-                while self.recorder.pending:
-                    self._fold(self.recorder.take_run())
+                if self._draining:  # re-entered from a sink (or an apply) on this thread: the outer drain goes on
+                    return
+                self._draining = True
+                try:
+                    applied = rec.apply(min(waiting, APPLY_BATCH)) if waiting > 0 else 0
+                    waiting -= applied
+                    self._fold_queued()
+                finally:
+                    self._draining = False
             finally:
-                self._draining = False
-        finally:
-            lock.release()
+                lock.release()
+            if waiting <= 0 or not applied:  # nothing left applies: another thread took the rest, in order
+                return
+
+    def _fold_queued(self) -> None:
+        """Fold the removal batches applied so far (with the drain lock held)."""
+        rec = self.recorder
+        while rec.pending:
+            self._fold(rec.take_run())
 
     def _drain_from_tap(self) -> None:
         self.drain(block=False)
@@ -317,6 +348,8 @@ class Observer:
 
         A promise the hot path's short memory could not judge is decided here from the eviction
         history, by the same rule (the first removal after the promise) the cause is named by."""
+        with self._drain_lock:  # applied in a drain or at a failed load: the history up to this load
+            self._fold_queued()
         broken = [(key, verdict) for key, verdict, decided in redeemed if decided]
         undecided = [(key, verdict) for key, verdict, decided in redeemed if not decided]
         if undecided:
@@ -350,7 +383,7 @@ class Observer:
             if breach is None:
                 continue
             last_serial = max(breach.serial, reset, -1 if latest is None else latest.serial)
-            if self.promises.settle(req_id, key, last_serial, now):
+            if self.recorder.promises.settle(req_id, key, last_serial, now):
                 out.append((key, verdict))
         return out
 
@@ -359,7 +392,7 @@ class Observer:
     def facts(self, req_id: str, unloadable: Sequence[Unloadable]) -> list[KeyFacts]:
         """Each key's promise, the removal that broke it, and its last removal (the history drained)."""
         history = self.history
-        promises = self.promises
+        promises = self.recorder.promises
         keys = [u.key for u in unloadable]
         last = history.last_removals(keys)
         verdicts = [promises.verdict(req_id, key) for key in keys]
@@ -459,6 +492,7 @@ class Observer:
                 self.internal_error(stage or sink.stage, exc)
 
     def close(self) -> None:
+        APPLIER.forget(self)
         try:
             self.drain()
         except Exception as exc:

@@ -297,7 +297,7 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     from kvobs.hot_path_loader import ClearTap, DeferredReleaseTap, EvictTap, InsertTap, RemoveTap
 
     policy = cpu._policy
-    recorder.chunk_of = policy.get  # a load's chunks, for their read bits (OffloadKey is bytes at run time)
+    recorder.loaded_chunk_ids = loaded_chunk_ids  # a load's chunks, for their read bits
     remove = RemoveTap(recorder, policy.remove, lambda key: policy.get(OffloadKey(key)))
     taps: list[tuple[str, Callable[..., Any]]] = [
         ("evict", EvictTap(recorder, policy.evict)),
@@ -311,6 +311,15 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     release = getattr(cpu, DEFERRED_RELEASE_METHOD, None)
     if callable(release):  # 0.34's tiering CPU tier
         setattr(cpu, DEFERRED_RELEASE_METHOD, DeferredReleaseTap(recorder, release, remove))
+
+
+def loaded_chunk_ids(load_spec: Any) -> list[int]:
+    """The CPU-tier slots a successful ``prepare_load`` handed out: its ``CPULoadStoreSpec``'s ``block_ids``,
+    chunk ids in every supported release (vLLM's ``BlockIDsLoadStoreSpec`` says so; a tiering manager
+    loads from its CPU primary tier). Read when the load's capture is applied, so the slots are the ones
+    vLLM named then, whatever it did to them since."""
+    ids: list[int] = load_spec.block_ids.tolist()
+    return ids
 
 
 def chunk_state(cpu: Any, key: bytes) -> str | None:

@@ -66,7 +66,7 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
             taps[name] = rec.lookup_tap(method, path=path, hit=compat.HIT, hit_pending=compat.HIT_PENDING,
                                         marks_frame=compat.lookup_can_remove(inner))
         elif kind == "load":
-            taps[name] = rec.load_tap(method, on_failure=load_failed, on_near=observer.near_missed)
+            taps[name] = rec.load_tap(method, on_failure=load_failed)
         elif kind == "store":
             taps[name] = rec.store_tap(method, path=path)
         elif kind == "keys":

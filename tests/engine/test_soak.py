@@ -31,7 +31,8 @@ pytestmark = [
 def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_right(
     engine_python: Path, tmp_path: Path
 ) -> None:
-    args = main_args(["--engine-python", str(engine_python), "--duration", os.environ.get(DURATION_ENV, "10m"), "--defects",
+    duration = os.environ.get(DURATION_ENV, "10m")
+    args = main_args(["--engine-python", str(engine_python), "--duration", duration, "--defects",
                       "--out", str(tmp_path / "soak")])
     results = soak(args)
     report(results)  # the soak's table and checks, shown with -s or when the test fails

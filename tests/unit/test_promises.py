@@ -157,6 +157,7 @@ def test_the_recorder_and_the_observer_follow_the_rule(ops: list[tuple[Any, ...]
             promises.not_reported(op[1], op[2])
         elif name == "remove":
             recorder.removal(list(op[1]), op[2], None, 0.0, path=0, req_id=None)
+            observer.drain()  # the captured removal, applied
         elif name == "finish":
             promises.finished(op[1])
         if name != "load":

@@ -46,18 +46,17 @@ class Harness:
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.result: Any = None
         self.raise_: BaseException | None = None
+        self.near: list[Any] = []
+        self.failures: list[Any] = []
         self.rec = Recorder(
             max_verdicts=100, num_stamps=num_stamps, on_error=lambda s, e: self.errors.append((s, e)),
             on_full=self._full, off_thread_path=lambda: PATHS.index("unobserved"), drain_keys=drain_keys,
-            drain_batches=10**9,
+            drain_batches=10**9, on_near=lambda req, broken: self.near.append((req, broken)),
         )
-        self.near: list[Any] = []
-        self.failures: list[Any] = []
         self.lookup = self.rec.lookup_tap(self.inner, path=LOOKUP, hit=HIT, hit_pending=HIT_PENDING, marks_frame=True)
         self.store = self.rec.keys_tap(self.inner, path=STORE)
         self.finish = self.rec.request_tap(self.inner, path=PATHS.index("schedule_end"))
-        self.load = self.rec.load_tap(self.inner, on_failure=lambda e, k, r: self.failures.append((e, k, r)),
-                                      on_near=lambda req, broken: self.near.append((req, broken)))
+        self.load = self.rec.load_tap(self.inner, on_failure=lambda e, k, r: self.failures.append((e, k, r)))
         self.evict = EvictTap(self.rec, self.inner)
 
     def _full(self) -> None:
@@ -108,7 +107,7 @@ def test_the_load_tap_reraises_vllms_assertion_object_after_the_callback() -> No
     def explain(exc: AssertionError, keys: Any, req: Any) -> None:
         exc.args = (f"{exc.args[0]} -- explained",)
 
-    load = h.rec.load_tap(h.inner, on_failure=explain, on_near=lambda req, broken: None)
+    load = h.rec.load_tap(h.inner, on_failure=explain)
     with pytest.raises(AssertionError) as caught:
         load([KEYS[0]], Ctx("a"))
     assert caught.value is boom and str(boom).endswith("-- explained") and boom.__traceback__ is not None
@@ -122,6 +121,8 @@ def test_lookups_make_promises_and_a_removal_in_a_store_breaks_them() -> None:
     h.lookup(KEYS[1], Ctx("a"))
     h.result = MISS
     h.lookup(KEYS[2], Ctx("a"))
+    assert h.rec.promises.verdict("a", KEYS[0]) is None  # captured, not yet applied
+    assert h.rec.apply_all() == 3
     assert [h.rec.promises.verdict("a", k) is not None for k in KEYS[:3]] == [True, True, False]
     assert h.rec.promises.verdict("a", KEYS[1]).pending  # type: ignore[union-attr]
 
@@ -132,10 +133,12 @@ def test_lookups_make_promises_and_a_removal_in_a_store_breaks_them() -> None:
 
     store = h.rec.keys_tap(store_that_evicts, path=STORE)
     assert store([KEYS[4]], Ctx("b")) == "stored"
+    h.rec.apply_all()
     run = h.rec.take_run()
     assert list(run.reqs) == ["b"] and unpack_flags(run.flags[0]) == (0, STORE)
     h.result = "spec"
     assert h.load([KEYS[0], KEYS[1]], Ctx("a")) == "spec"
+    assert h.near == [] and h.rec.apply_all() == 1
     ((req_id, [(key, verdict, decided)]),) = h.near  # the observer asks the history which removal broke it
     assert (req_id, key, verdict.pending, decided) == ("a", KEYS[0], False, True)
 
@@ -145,6 +148,7 @@ def test_removals_off_the_tapped_thread_get_the_off_thread_path() -> None:
     h.rec.frame = (STORE, Ctx("a"), threading.get_ident() + 1)  # a tapped call running on another thread
     h.result = [(KEYS[0], Chunk(0))]
     h.evict(1, set())
+    h.rec.apply_all()
     run = h.rec.take_run()
     assert unpack_flags(run.flags[0])[1] == PATHS.index("unobserved") and list(run.reqs) == [None]
 
@@ -153,6 +157,7 @@ def test_residency_is_kept_only_while_a_sink_needs_it() -> None:
     h = Harness()
     h.result = [(KEYS[0], Chunk(1))]
     h.evict(1, set())
+    h.rec.apply_all()
     run = h.rec.take_run()
     assert run.keys == [KEYS[0]] and run.residency is None
     h.rec.keep_residency = True
@@ -160,6 +165,7 @@ def test_residency_is_kept_only_while_a_sink_needs_it() -> None:
     insert(KEYS[0], Chunk(1), Ctx("a"))
     h.result = [(KEYS[0], Chunk(1)), (KEYS[1], Chunk(99))]  # slot 99 was never stamped
     h.evict(2, set())
+    h.rec.apply_all()
     run = h.rec.take_run()
     assert run.keys == [KEYS[0], KEYS[1]] and run.residency is not None
     assert run.residency[0] >= 0 and run.residency[1] != run.residency[1]  # NaN: unknown
@@ -169,12 +175,15 @@ def test_the_queue_asks_to_be_drained_when_full() -> None:
     h = Harness(drain_keys=4)
     h.result = [(k, Chunk(i)) for i, k in enumerate(KEYS[:2])]
     h.evict(2, set())
+    h.rec.apply_all()
     assert h.full == 0
     h.evict(2, set())
+    h.rec.apply_all()
     assert h.full == 1 and h.rec.pending == 2
     run = h.rec.take_run()
     assert (run.first_serial, list(run.counts)) == (0, [2, 2]) and h.rec.pending == 0
     h.evict(2, set())
+    h.rec.apply_all()
     assert h.rec.take_run().first_serial == 2
 
 
@@ -182,6 +191,7 @@ def test_recording_faults_are_counted_never_raised() -> None:
     h = Harness()
     h.result = HIT
     assert h.lookup(KEYS[0], object()) is HIT  # a request context without req_id
+    h.rec.apply_all()  # where the lookup is recorded, and faults
     h.rec.keep_residency = True
     h.result = [(KEYS[0], object())]  # a chunk without an id
     assert h.evict(1, set()) is h.result
@@ -190,7 +200,7 @@ def test_recording_faults_are_counted_never_raised() -> None:
     def broken(exc: BaseException, keys: Any, req: Any) -> None:
         raise RuntimeError("kvobs bug")
 
-    load = h.rec.load_tap(h.inner, on_failure=broken, on_near=lambda req, near: None)
+    load = h.rec.load_tap(h.inner, on_failure=broken)
     with pytest.raises(AssertionError) as caught:
         load([KEYS[0]], Ctx("a"))
     assert caught.value is boom
@@ -206,8 +216,9 @@ def test_an_interrupt_inside_kvobs_propagates_instead_of_being_counted() -> None
     rec = Recorder(max_verdicts=10, num_stamps=0, on_error=lambda s, e: errors.append(s), on_full=drain,
                    off_thread_path=lambda: 0, drain_keys=1, drain_batches=1)
     evict = EvictTap(rec, lambda n, protected: [(KEYS[0], Chunk(0))])
+    evict(1, set())
     with pytest.raises(KeyboardInterrupt):
-        evict(1, set())
+        rec.apply_all()
     assert errors == []
 
 
@@ -241,9 +252,9 @@ def test_a_copied_or_pickled_policy_gets_its_plain_methods_back(how: str) -> Non
     twin.remove(KEYS[0])
     twin.clear()
     assert (twin.evicted, policy.evicted) == (1, 0)  # the copy evicts from itself, never from the original
-    assert h.rec.pending == 0  # and records nothing into the original's recorder
+    assert h.rec.captured == 0  # and records nothing into the original's recorder
     policy.evict(1, set())
-    assert h.rec.pending == 1
+    assert h.rec.captured == 1
 
 
 def test_a_dropped_observer_is_collected() -> None:
@@ -274,14 +285,16 @@ def _racing(background: Any, foreground: Any, done: threading.Event) -> None:
 
 
 def test_a_drain_on_another_thread_never_sees_a_half_queued_batch() -> None:
-    """The journal's writer drains while the scheduler thread queues: every run it takes is whole."""
+    """The applier (or the journal's writer) applies and drains while the scheduler thread captures: no
+    capture is lost and every run it takes is whole."""
     h = Harness()
     history = EvictionHistory(100_000)
     torn: list[str] = []
     done = threading.Event()
 
     def writer() -> None:
-        while not done.is_set() or h.rec.pending:
+        while not done.is_set() or h.rec.captured or h.rec.pending:
+            h.rec.apply_all()  # the applier's part: captures taken off while the scheduler thread appends
             run = h.rec.take_run()
             try:
                 history.record_columns(run.first_serial, run.hashes, run.counts, run.times, run.flags, run.reqs)
