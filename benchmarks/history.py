@@ -118,6 +118,13 @@ def held_bytes(build: Callable[[], Any], fill: Callable[[Any, random.Random], No
     return held, obj
 
 
+def _filled(observer: Any, stream: Callable[..., None], fill_one: Callable[[list[bytes], str], None],
+            rng: random.Random) -> None:
+    """Fill, then apply every capture (kvobs/applier.py does it a few ms later): what stays is the history."""
+    stream(fill_one, rng)
+    observer.drain()
+
+
 def memory(size: int) -> dict[str, float]:
     """Bytes per key for both sides, filled to capacity and overwritten once more."""
 
@@ -139,7 +146,7 @@ def memory(size: int) -> dict[str, float]:
     now = time.monotonic()
     kv_bytes, kv = held_bytes(
         lambda: new_kvobs(size),
-        lambda o, rng: stream(lambda k, r: o.recorder.removal(k, 0, None, now, path=0, req_id=r), rng),
+        lambda o, rng: _filled(o, stream, lambda k, r: o.recorder.removal(k, 0, None, now, path=0, req_id=r), rng),
     )
     assert kv.history.stats().keys == size
     return {
