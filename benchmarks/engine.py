@@ -104,14 +104,15 @@ def one_run(server: VllmServer, stats: Path, prompts: list[str], core: psutil.Pr
 def attributed(delta: dict[str, int], wall_s: float, steps: int) -> dict[str, float]:
     """kvobs's shares inside one engine (benchmarks/engine_attribution.py). Its scheduler-thread time
     is wall time in its own code: counted as CPU, it errs high when the thread is preempted there."""
-    kvobs_ns = delta["kvobs_ns"] + delta["journal_cpu_ns"]
+    kvobs_ns = delta["kvobs_ns"] + delta["journal_cpu_ns"] + delta["applier_cpu_ns"]
     return {
         "kvobs_us_per_step": delta["kvobs_ns"] / 1e3 / steps,
         "timed_calls_per_step": delta["timed_calls"] / steps,
         "kvobs_share_of_scheduler": delta["kvobs_ns"] / max(delta["wall_ns"], 1),
         "journal_cpu_s": delta["journal_cpu_ns"] / 1e9,
+        "applier_cpu_s": delta["applier_cpu_ns"] / 1e9,
         "kvobs_share_of_engine_core_cpu": kvobs_ns / max(delta["process_cpu_ns"], 1),
-        # an upper bound: as if all of kvobs's time, the writer thread's too, were on the step's critical path
+        # an upper bound: as if all of kvobs's time, its threads' too, were on the step's critical path
         "throughput_cost_bound": kvobs_ns / 1e9 / wall_s,
     }
 
@@ -162,7 +163,7 @@ def main() -> int:
 
 
 SHARES = ("kvobs_us_per_step", "timed_calls_per_step", "kvobs_share_of_scheduler", "journal_cpu_s",
-          "kvobs_share_of_engine_core_cpu", "throughput_cost_bound")
+          "applier_cpu_s", "kvobs_share_of_engine_core_cpu", "throughput_cost_bound")
 
 
 def summarize_shares(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:

@@ -11,9 +11,10 @@ kvobs is vLLM's; vLLM's code kvobs calls (the wrapped methods) is vLLM's; everyt
 A timer costs something, and the part of a child's timer that runs outside its own window lands in
 its parent's exclusive time; that leak is measured at start-up on empty nested timers and taken off
 each parent once per child, less the plain call the parent would make without timers (so it errs on
-kvobs's side: kvobs's share errs high, not low). The journal's writer thread runs off the scheduler
-thread: its CPU is read from its thread clock. Loaded in EngineCore by ``benchmarks.engine_scheduler`` when
-``KVOBS_BENCH_ATTRIBUTE`` is set; the CPU manager only (its calls all run on the scheduler thread).
+kvobs's side: kvobs's share errs high, not low). The journal's writer thread and kvobs's applier
+thread run off the scheduler thread: their CPU is read from their thread clocks. Loaded in EngineCore
+by ``benchmarks.engine_scheduler`` when ``KVOBS_BENCH_ATTRIBUTE`` is set; the CPU manager only (its
+calls all run on the scheduler thread).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvobs.applier import THREAD_NAME as APPLIER_THREAD_NAME
+
 ATTRIBUTE_ENV = "KVOBS_BENCH_ATTRIBUTE"
 KVOBS, VLLM = 0, 1
 JOURNAL_THREAD = "kvobs-journal"  # kvobs/journal.py's writer thread
+APPLIER_THREAD = APPLIER_THREAD_NAME
 
 _now = time.perf_counter_ns
 _stack: list[int] = []  # per open timed span: its timed children's time so far
@@ -98,8 +102,18 @@ def _direct_call_ns(n: int) -> int:
 
 def journal_thread_cpu_ns() -> int:
     """CPU of kvobs's journal writer thread (0 without the journal)."""
+    return thread_cpu_ns(JOURNAL_THREAD)
+
+
+def applier_thread_cpu_ns() -> int:
+    """CPU of kvobs's applier thread (kvobs/applier.py: the recording it takes off the scheduler thread)."""
+    return thread_cpu_ns(APPLIER_THREAD)
+
+
+def thread_cpu_ns(name: str) -> int:
+    """CPU of the thread called ``name`` (0 if there is none)."""
     for thread in threading.enumerate():
-        if thread.name == JOURNAL_THREAD and thread.ident is not None:
+        if thread.name == name and thread.ident is not None:
             try:
                 return time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
             except OSError:  # the thread ended between enumerate() and here

@@ -24,8 +24,9 @@ from benchmarks import engine_attribution
 STATS_ENV = "KVOBS_BENCH_SCHEDULER_STATS"
 # scheduler CPU ns, steps, scheduler wall ns; with KVOBS_BENCH_ATTRIBUTE (benchmarks/engine_attribution.py)
 # also kvobs's and vLLM's exclusive ns in timed calls, timed calls, the journal thread's and the process's CPU ns
-LAYOUT = struct.Struct("<qqqqqqqq")
-FIELDS = ("cpu_ns", "steps", "wall_ns", "kvobs_ns", "vllm_ns", "timed_calls", "journal_cpu_ns", "process_cpu_ns")
+FIELDS = ("cpu_ns", "steps", "wall_ns", "kvobs_ns", "vllm_ns", "timed_calls", "journal_cpu_ns", "applier_cpu_ns",
+          "process_cpu_ns")
+LAYOUT = struct.Struct("<" + "q" * len(FIELDS))
 ATTRIBUTING = bool(os.environ.get(engine_attribution.ATTRIBUTE_ENV))
 if ATTRIBUTING:
     engine_attribution.install()  # before the scheduler builds the connector, its spec and kvobs's manager
@@ -52,9 +53,10 @@ class TimedScheduler(Scheduler):
         self._steps += step
         if ATTRIBUTING:
             attributed = (*engine_attribution.exclusive, sum(engine_attribution.calls),
-                          engine_attribution.journal_thread_cpu_ns(), time.process_time_ns())
+                          engine_attribution.journal_thread_cpu_ns(), engine_attribution.applier_thread_cpu_ns(),
+                          time.process_time_ns())
         else:
-            attributed = (0, 0, 0, 0, 0)
+            attributed = (0, 0, 0, 0, 0, 0)
         LAYOUT.pack_into(self._stats, 0, self._cpu, self._steps, self._wall, *attributed)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

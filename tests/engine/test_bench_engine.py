@@ -30,3 +30,4 @@ def test_the_engine_benchmark_attributes_kvobs_time_in_a_real_engine(engine_pyth
     (plain,), (journal,) = results["kvobs"], results["kvobs+journal"]
     assert plain["journal_cpu_s"] == 0  # no journal: no writer thread
     assert journal["journal_cpu_s"] > 0, journal  # its writer thread, found
+    assert plain["applier_cpu_s"] > 0, plain  # kvobs's applier thread (kvobs/applier.py), found
