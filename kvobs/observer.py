@@ -251,8 +251,12 @@ class Observer:
         """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of
         :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts), every
         capture applied first."""
-        rec = self.recorder
         self.drain()
+        return self._counter_now(key)
+
+    def _counter_now(self, key: str) -> dict[str, int]:
+        """:meth:`counter` without the drain (the caller drained)."""
+        rec = self.recorder
         if key == "evicted":
             return dict(zip(REASONS, rec.totals()[0], strict=True))
         if key == "batches":
@@ -271,7 +275,8 @@ class Observer:
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Every engine counter now, by totals key (what the journal's totals lines carry)."""
-        return {key: self.counter(key) for key in self.counts}
+        self.drain()  # once, not once per counter
+        return {key: self._counter_now(key) for key in self.counts}
 
     # -- recording -------------------------------------------------------
 
