@@ -239,6 +239,19 @@ def _doctor_without_vllm(args: argparse.Namespace, exc: BaseException) -> int:
     return 1
 
 
+def _replay(args: argparse.Namespace) -> int:
+    # vLLM logs to standard output by default; what kvobs replay prints there (--json) stays its own.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        from kvobs.vllm.replay_cli import run
+    except ImportError as exc:
+        print(f"kvobs replay: vLLM does not import with {sys.executable} ({exc}); run it with the Python of the "
+              "vLLM release the bundle names", file=sys.stderr)
+        return 2
+    return run(args.bundle, minimize_calls=args.minimize, budget_s=args.budget, emit_test=args.emit_test,
+               as_json=args.json)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -323,6 +336,24 @@ def parser() -> argparse.ArgumentParser:
                              "kvobs option its default)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_doctor)
+    replay = sub.add_parser(
+        "replay", help="replay a failed load's bundle on vLLM's real manager: does vLLM assert at the same call?",
+        description="Rebuild vLLM's manager from a replay bundle's snapshot (kvobs's flight recorder writes one to "
+                    "<dir>/replay/ at every failed load), make its recorded calls on it without kvobs, and say "
+                    "whether vLLM's own assertion happens at the same call with the same text. Run it with the "
+                    "vLLM release the bundle names. Exit status: 0 reproduced, 1 not reproduced, 2 the bundle "
+                    "cannot be replayed here (the message says why). A bundle is a pickle: replay only bundles "
+                    "you trust.",
+    )
+    replay.add_argument("bundle", metavar="BUNDLE", help="a .kvobs-replay.zip file")
+    replay.add_argument("--minimize", action="store_true",
+                        help="shrink the calls to the fewest that still fail the same way (delta debugging)")
+    replay.add_argument("--budget", type=_positive_float, default=120.0, metavar="SECONDS",
+                        help="with --minimize: stop after this long with the smallest sequence found (default 120)")
+    replay.add_argument("--emit-test", metavar="PATH",
+                        help="write the (minimised) calls as a standalone pytest file that needs vLLM alone")
+    replay.add_argument("--json", action="store_true", help="machine-readable output")
+    replay.set_defaults(func=_replay)
     return root
 
 

@@ -64,6 +64,7 @@ STAGES: tuple[str, ...] = (
     "hook",
     "survive",
     "record.store",
+    "flight",
 )
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
 

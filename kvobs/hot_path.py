@@ -48,6 +48,7 @@ are handed in.
 from __future__ import annotations
 
 import copy
+import pickle
 import threading
 import time
 from array import array
@@ -81,7 +82,22 @@ _LOAD = 1  # (_LOAD, keys, req_context, result): a load that succeeded
 _FINISH = 2  # (_FINISH, req_context)
 _REMOVAL = 3  # (_REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids)
 _EVICTED = 4  # (_EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency)
-_STAGE_OF_KIND = ("record.lookup", "record.load", "record.finish", "record.removal", "record.removal")
+_CALL = 5  # (_CALL, method name, args, kwargs or None, outcome): a call only the flight recorder keeps
+_SNAPSHOT = 6  # (_SNAPSHOT, state): the manager's state after every call captured before it
+_KEYS_CALL = 7  # (_KEYS_CALL, method name, keys, req_context, outcome): name(keys, req_context), flight recorder's
+_REQ_CALL = 8  # (_REQ_CALL, method name, req_context): name(req_context), the flight recorder's
+_STAGE_OF_KIND = ("record.lookup", "record.load", "record.finish", "record.removal", "record.removal",
+                  "flight", "flight", "flight", "flight")
+_NEVER = 1 << 62
+_CALL_BYTES = 24  # a call's columns (method reference, request, outcome, key end) and list growth
+_REF_BYTES = 6  # a key reference (an array item and its growth)
+_KEY_BYTES = 150  # a key or request id first seen in a segment: the object kept, its list and dict entries
+# The capture kinds the flight recorder reads (kvobs/flight.py), under public names.
+LOOKUP = _LOOKUP
+LOAD = _LOAD
+FINISH = _FINISH
+CALL = _CALL
+SNAPSHOT = _SNAPSHOT
 
 
 class Verdict(NamedTuple):
@@ -311,6 +327,130 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> 
     return kwargs.get(name)
 
 
+class FlightSegment:
+    """The manager calls since one snapshot (the flight recorder's, kvobs/flight.py), in columns.
+
+    Call ``i`` is ``methods[i]`` of request ``req_ids[reqs[i]]`` (-1: none), answering
+    ``outcome_values[outcomes[i]]`` (-1: nothing kept), with keys ``keys[key_refs[j]]`` for ``j`` from
+    ``key_ends[i - 1]`` to ``key_ends[i]``, and any other argument in ``extras[i]`` (``(position, value)``
+    pairs, a value other than None, a bool, an int or a str pickled; keywords at position -1, pickled).
+    No Python object per call: filled by kvobs's applier, the garbage collector never walks it, and it keeps
+    no vLLM object alive but the keys. ``roles`` is kvobs.vllm.compat.CALL_ARGS.
+    """
+
+    def __init__(self, state: bytes, taken: float, roles: dict[str, tuple[str, ...]], budget: int) -> None:
+        self.state = state
+        self.taken = taken
+        self.budget = budget
+        self._roles = roles
+        self.methods: list[str] = []
+        self.reqs = array("i")
+        self.outcomes = array("b")
+        self.key_ends = array("I")
+        self.key_refs = array("I")
+        self.keys: list[bytes] = []
+        self._key_index: dict[bytes, int] = {}
+        self.req_ids: list[str] = []
+        self._req_index: dict[str, int] = {}
+        self.outcome_values: list[Any] = []
+        self._outcome_codes: dict[Any, int] = {}
+        self.extras: dict[int, list[tuple[int, Any]]] = {}
+        self.nbytes = len(state)
+        """Estimated bytes: the snapshot, ``_CALL_BYTES`` a call, ``_REF_BYTES`` a key reference,
+        ``_KEY_BYTES`` a key or request first seen."""
+
+    def __len__(self) -> int:
+        return len(self.methods)
+
+    def add(self, item: tuple[Any, ...]) -> bool:
+        """Record the call a capture stands for; True once the segment is over its budget."""
+        kind: int = item[0]
+        if kind == _LOOKUP:
+            self._call("lookup", item[2], item[3])
+            self._key(item[1])
+        elif kind == _LOAD:
+            self._call("prepare_load", item[2], True)
+            for key in item[1]:
+                self._key(key)
+        elif kind == _FINISH:
+            self._call("on_request_finished", item[1], None)
+        elif kind == _KEYS_CALL:
+            self._call(item[1], item[3], item[4])
+            for key in item[2]:
+                self._key(key)
+        elif kind == _REQ_CALL:
+            self._call(item[1], item[2], None)
+        elif kind == _CALL:
+            name: str = item[1]
+            args: tuple[Any, ...] = item[2]
+            roles = self._roles.get(name, ())
+            context: Any = None
+            for position in range(len(args)):
+                if position < len(roles) and roles[position] == "req":
+                    context = args[position]
+            self._call(name, context, item[4])
+            for position in range(len(args)):
+                role = roles[position] if position < len(roles) else ""
+                value = args[position]
+                if role == "keys":
+                    for key in value:
+                        self._key(key)
+                elif role == "key":
+                    self._key(value)
+                elif role != "req":
+                    self._extra(position, value)
+            if item[3]:
+                self._extra(-1, dict(item[3]))
+        else:
+            return False
+        self.key_ends.append(len(self.key_refs))
+        return self.nbytes > self.budget
+
+    def _call(self, method: str, context: Any, outcome: Any) -> None:
+        self.methods.append(method)
+        if context is None:
+            self.reqs.append(-1)
+        else:
+            req_id: str = context.req_id
+            index = self._req_index.get(req_id)
+            if index is None:
+                index = self._req_index[req_id] = len(self.req_ids)
+                self.req_ids.append(req_id)
+                self.nbytes += _KEY_BYTES
+            self.reqs.append(index)
+        if outcome is None:
+            self.outcomes.append(-1)
+        else:
+            code = self._outcome_codes.get(outcome)
+            if code is None:
+                code = self._outcome_codes[outcome] = len(self.outcome_values)
+                self.outcome_values.append(outcome if isinstance(outcome, (bool, str))
+                                           else str(outcome))
+            self.outcomes.append(code)
+        self.nbytes += _CALL_BYTES
+
+    def _key(self, key: bytes) -> None:
+        index = self._key_index.get(key)
+        if index is None:
+            index = self._key_index[key] = len(self.keys)
+            self.keys.append(key)
+            self.nbytes += _KEY_BYTES
+        self.key_refs.append(index)
+        self.nbytes += _REF_BYTES
+
+    def _extra(self, position: int, value: Any) -> None:
+        if not (value is None or isinstance(value, (bool, int, str))):
+            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            self.nbytes += len(value)
+        index = len(self.methods) - 1
+        found = self.extras.get(index)
+        if found is None:
+            self.extras[index] = [(position, value)]
+        else:
+            found.append((position, value))
+        self.nbytes += _CALL_BYTES
+
+
 class Recorder:
     """Taps, the capture buffer, the promise table and the removal queue of one observed manager.
 
@@ -380,6 +520,20 @@ class Recorder:
         the policy is hooked; None: loads are counted, no read bit is set."""
         # Which tapped call is running: (path code, request context, thread id), or None.
         self.frame: tuple[int, Any, int] | None = None
+        # The flight recorder (kvobs/flight.py), off until flight_on(): applied calls go to ``flight_segment``,
+        # snapshots to ``flight``; every ``_flight_segment`` calls the scheduler thread snapshots the manager's
+        # state (``_snapshot``).
+        self.flight: Callable[[bytes], None] | None = None
+        self.flight_segment: FlightSegment | None = None
+        self.flight_calls = False
+        """Whether the taps capture the calls only the flight recorder needs (a store, a completion...)."""
+        self._snapshot: Callable[[], bytes | None] | None = None
+        self.flight_live: dict[str, Any] = {}
+        """With the flight recorder on: the request contexts of requests started and not finished, by id (the
+        snapshot keeps their state); at most ``flight_live_limit``, the oldest forgotten."""
+        self.flight_live_limit = 65_536
+        self._flight_segment = _NEVER
+        self._flight_left = _NEVER
         self._new_columns()
 
     def _new_columns(self) -> None:
@@ -419,6 +573,52 @@ class Recorder:
         waiting = len(captures)
         if waiting >= self._capture_wake:
             self._backlogged(waiting)
+
+    def call_captured(self, item: tuple[Any, ...]) -> None:
+        """Capture a manager call that just returned (a boundary between calls: where the flight
+        recorder may snapshot the manager's state)."""
+        self.capture(item)
+        self._flight_left -= 1
+        if self._flight_left <= 0:
+            self.roll()
+
+    def flight_on(self, on_snapshot: Callable[[bytes], None], snapshot: Callable[[], bytes | None],
+                  segment: int) -> None:
+        """Keep a flight recording: every ``segment`` calls (or when ``flight_segment`` is over its budget) the
+        state ``snapshot()`` returns is captured between two calls, and handed to ``on_snapshot`` when applied
+        (which starts a new ``flight_segment``); every applied call goes to ``flight_segment``."""
+        self.flight = on_snapshot
+        self._snapshot = snapshot
+        self._flight_segment = max(1, segment)
+        self.flight_calls = True
+        self.roll()
+
+    def flight_off(self) -> None:
+        self.flight_calls = False
+        self.flight = None
+        self.flight_segment = None
+        self._snapshot = None
+        self.flight_live = {}
+        self._flight_segment = self._flight_left = _NEVER
+
+    def roll_soon(self) -> None:
+        """Snapshot after the next call (the flight recorder's window is over its memory budget)."""
+        self._flight_left = 0
+
+    def roll(self) -> None:
+        """Snapshot the manager's state now, between two calls (with ``flight_live``'s requests); faults turn
+        the recorder off."""
+        self._flight_left = self._flight_segment
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        try:
+            state = snapshot()
+            if state is not None:  # None: the recorder is off now, and says why
+                self.capture((_SNAPSHOT, state))
+        except Exception as exc:
+            self.flight_off()
+            self.on_error("flight", exc)
 
     def _backlogged(self, waiting: int) -> None:
         if waiting >= self._capture_limit:  # full: applied here, so nothing is lost (and counted)
@@ -464,6 +664,13 @@ class Recorder:
                     self._apply_load(item[1], item[2], item[3])
                 elif kind == _FINISH:
                     self.promises.finished(item[1].req_id)
+                elif kind in (_CALL, _KEYS_CALL, _REQ_CALL):
+                    pass  # the flight recorder's alone
+                elif kind == _SNAPSHOT:
+                    on_snapshot = self.flight
+                    if on_snapshot is not None:
+                        on_snapshot(item[1])
+                    continue
                 elif kind == _EVICTED:
                     pairs = item[1]
                     self._apply_removal([key for key, _ in pairs], CAPACITY, item[5], item[2], item[3], item[4],
@@ -472,6 +679,13 @@ class Recorder:
                     self._apply_removal(item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8])
             except Exception as exc:
                 self.on_error(_STAGE_OF_KIND[kind] if 0 <= kind < len(_STAGE_OF_KIND) else "record.removal", exc)
+            segment = self.flight_segment
+            if segment is not None and kind != _REMOVAL and kind != _EVICTED:
+                try:
+                    if segment.add(item):
+                        self._flight_left = 0  # over its budget: snapshot after the next call
+                except Exception as exc:
+                    self.on_error("flight", exc)
         return done
 
     def _apply_lookup(self, key: bytes, req_context: Any, result: object, now: float) -> None:
@@ -659,10 +873,10 @@ class Recorder:
         self.hit_pending = hit_pending
         return LookupTap(self, inner, path, marks_frame)
 
-    def keys_tap(self, inner: Callable[..., Any], *, path: int) -> KeysTap:
-        """``method(keys, req_context, ...)`` (``prepare_store``, ``complete_store``): removals under it
-        are attributed to ``path`` and the request."""
-        return KeysTap(self, inner, path)
+    def keys_tap(self, inner: Callable[..., Any], *, path: int, name: str) -> KeysTap:
+        """``name(keys, req_context, ...)`` (``complete_store``): removals under it are attributed to ``path``
+        and the request."""
+        return KeysTap(self, inner, path, name)
 
     def store_tap(self, inner: Callable[..., Any], *, path: int) -> StoreTap:
         """``prepare_store(keys, req_context)``: as :meth:`keys_tap`, and counts the chunks it took to store."""
@@ -673,9 +887,19 @@ class Recorder:
         is gone."""
         return RequestTap(self, inner, path)
 
-    def call_tap(self, inner: Callable[..., Any], *, path: int) -> CallTap:
-        """Any other call that can remove chunks (``on_schedule_end``, ``reset_cache``): attributed to ``path``."""
-        return CallTap(self, inner, path)
+    def call_tap(self, inner: Callable[..., Any], *, path: int, name: str) -> CallTap:
+        """Any other call ``name`` that can remove chunks (``on_schedule_end``, ``reset_cache``): attributed to
+        ``path``."""
+        return CallTap(self, inner, path, name)
+
+    def pass_tap(self, inner: Callable[..., Any], *, name: str, shape: tuple[str, ...]) -> Any:
+        """A call ``name`` only the flight recorder keeps, whose arguments are ``shape``
+        (kvobs.vllm.compat.CALL_ARGS): ``on_new_request`` also makes its request live."""
+        if name == "on_new_request":
+            return NewRequestTap(self, inner)
+        if shape == ("keys", "req"):
+            return KeysPassTap(self, inner, name)
+        return PassTap(self, inner, name)
 
     def load_tap(
         self,
@@ -727,26 +951,31 @@ class LookupTap:
             result = self.inner(key, req_context)
         else:
             result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
-        rec.capture((_LOOKUP, key, req_context, result, monotonic()))
+        rec.call_captured((_LOOKUP, key, req_context, result, monotonic()))
         return result
 
 
 class KeysTap:
-    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int) -> None:
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int, name: str) -> None:
         self.rec = rec
         self.inner = inner
         self.path = path
+        self.name = name
 
     def __call__(self, keys: Any, req_context: Any, success: Any = _ABSENT) -> Any:
         rec = self.rec
         before = rec.frame
         rec.frame = (self.path, req_context, get_ident())
         try:
-            if success is _ABSENT:
-                return self.inner(keys, req_context)
-            return self.inner(keys, req_context, success)
+            result = self.inner(keys, req_context) if success is _ABSENT else self.inner(keys, req_context, success)
         finally:
             rec.frame = before
+        if rec.flight_calls:
+            if success is _ABSENT:
+                rec.call_captured((_KEYS_CALL, self.name, keys, req_context, None))
+            else:
+                rec.call_captured((_CALL, self.name, (keys, req_context, success), None, None))
+        return result
 
 
 class StoreTap:
@@ -768,6 +997,8 @@ class StoreTap:
                 rec.stored += len(result.keys_to_store)  # kvobs.vllm.compat.STORED_FIELD
             except Exception as exc:
                 rec.on_error("record.store", exc)
+        if rec.flight_calls:
+            rec.call_captured((_KEYS_CALL, "prepare_store", keys, req_context, result is not None))
         return result
 
 
@@ -788,24 +1019,82 @@ class RequestTap:
                 result = self.inner(req_context, exclude_tier_idx=exclude_tier_idx)
         finally:
             rec.frame = before
-        rec.capture((_FINISH, req_context))
+        if rec.flight_calls:
+            rec.flight_live.pop(req_context.req_id, None)
+        rec.call_captured((_FINISH, req_context))
         return result
 
 
 class CallTap:
-    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int) -> None:
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int, name: str) -> None:
         self.rec = rec
         self.inner = inner
         self.path = path
+        self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rec = self.rec
         before = rec.frame
         rec.frame = (self.path, None, get_ident())
         try:
-            return self.inner(*args, **kwargs)
+            result = self.inner(*args, **kwargs)
         finally:
             rec.frame = before
+        if rec.flight_calls:
+            rec.call_captured((_CALL, self.name, args, kwargs or None, None))
+        return result
+
+
+class NewRequestTap:
+    """``on_new_request(req_context)`` while the flight recorder is on: the request is live (``flight_live``)."""
+
+    def __init__(self, rec: Recorder, inner: Callable[..., Any]) -> None:
+        self.rec = rec
+        self.inner = inner
+
+    def __call__(self, req_context: Any) -> Any:
+        result = self.inner(req_context)
+        rec = self.rec
+        if rec.flight_calls:
+            live = rec.flight_live
+            if len(live) >= rec.flight_live_limit and req_context.req_id not in live:
+                del live[next(iter(live))]
+            live[req_context.req_id] = req_context
+            rec.call_captured((_REQ_CALL, "on_new_request", req_context))
+        return result
+
+
+class KeysPassTap:
+    """``name(keys, req_context)`` (``complete_load``, ``touch``) while the flight recorder is on."""
+
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], name: str) -> None:
+        self.rec = rec
+        self.inner = inner
+        self.name = name
+
+    def __call__(self, keys: Any, req_context: Any) -> Any:
+        result = self.inner(keys, req_context)
+        rec = self.rec
+        if rec.flight_calls:
+            rec.call_captured((_KEYS_CALL, self.name, keys, req_context, None))
+        return result
+
+
+class PassTap:
+    """A call kvobs records nothing about but the flight recorder keeps (``complete_load``,
+    ``on_new_request``...): set only while the flight recorder is on."""
+
+    def __init__(self, rec: Recorder, inner: Callable[..., Any], name: str) -> None:
+        self.rec = rec
+        self.inner = inner
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.inner(*args, **kwargs)
+        rec = self.rec
+        if rec.flight_calls:
+            rec.call_captured((_CALL, self.name, args, kwargs or None, None))
+        return result
 
 
 class LoadTap:
@@ -834,7 +1123,7 @@ class LoadTap:
             if instead is None:
                 raise
             return instead  # survive mode's decision, made once, in the failure callback
-        self.rec.capture((_LOAD, keys, req_context, result))
+        self.rec.call_captured((_LOAD, keys, req_context, result))
         return result
 
 

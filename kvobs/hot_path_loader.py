@@ -63,16 +63,23 @@ _impl, HOT_PATH = _load()
 """``"compiled"`` (mypyc) or ``"python"``."""
 
 _PUBLIC = (
-    "Breach", "ClearTap", "DeferredReleaseTap", "EvictTap", "InsertTap", "NearMiss", "PolicyTap", "Promises",
-    "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict",
+    "CALL", "FINISH", "LOAD", "LOOKUP", "SNAPSHOT",
+    "Breach", "ClearTap", "DeferredReleaseTap", "EvictTap", "FlightSegment", "InsertTap", "NearMiss", "PolicyTap",
+    "Promises", "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict",
 )
 
 if TYPE_CHECKING:  # the same names, typed (re-exported)
     from kvobs.hot_path import (
+        CALL as CALL,
+        FINISH as FINISH,
+        LOAD as LOAD,
+        LOOKUP as LOOKUP,
+        SNAPSHOT as SNAPSHOT,
         Breach as Breach,
         ClearTap as ClearTap,
         DeferredReleaseTap as DeferredReleaseTap,
         EvictTap as EvictTap,
+        FlightSegment as FlightSegment,
         InsertTap as InsertTap,
         NearMiss as NearMiss,
         PolicyTap as PolicyTap,

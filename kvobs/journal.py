@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvobs.files import private_dir, write_all, write_durably
+from kvobs.flight import MAX_BUNDLES
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
 from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
@@ -72,7 +73,8 @@ def disk_bound(options: Options, engines: int = 1) -> int:
     of times) with these options: size an ``emptyDir`` or a volume with it."""
     segment = options.journal_bytes // KEEP_SEGMENTS + MAX_LINE_BYTES  # a segment rolls after its last line
     per_engine = KEEP_SEGMENTS * segment * (1 + options.journal_processes)
-    return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES
+    bundles = MAX_BUNDLES * options.flight_bytes if options.flight_calls > 0 else 0  # kvobs/flight.py
+    return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES + bundles
 
 
 def _chunks(lines: list[str], limit: int) -> Iterator[tuple[int, bytes]]:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kvobs.applier import APPLIER
 from kvobs.codes import APPLY_BATCH, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
@@ -23,6 +23,8 @@ from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalR
 from kvobs.metric_catalogue import TOTALS
 from kvobs.options import Options
 from kvobs.survive import RecomputeLedger
+
+T = TypeVar("T")
 
 logger = logging.getLogger("kvobs")
 CPU_TIER = TIERS[0]
@@ -171,6 +173,12 @@ class Observer:
         """The engine's counters, one per totals key of kvobs/metric_catalogue.py, every label value present
         from the start, so readers on other threads can copy them while they change (their size never
         does). The recorder counts removals itself (:meth:`totals` reads them from it)."""
+        self.flight: Any = None
+        """The flight recorder's window (kvobs/flight.py), when one is kept (kvobs.vllm.flight_recorder.start)."""
+        self.flight_off_reason: str | None = None
+        """Why no flight recorder runs (a bundle says so)."""
+        self.last_bundle_at: float | None = None
+        """When (monotonic) the last replay bundle was written (kvobs.vllm.flight_recorder.bundle_on_failure)."""
         self.chunk_bytes = 0
         """Bytes of one CPU-tier chunk, set by the spec that sized the tier (kvobs.vllm.compat.chunk_bytes);
         0 (bytes counters stay 0) where nothing says."""
@@ -459,6 +467,13 @@ class Observer:
         else:
             logger.error("kv offload load failed: %s", diagnosis.message)
         return diagnosis
+
+    def applied(self, read: Callable[[], T]) -> T:
+        """``read()`` with every capture applied and none applied while it runs (the flight recorder's window
+        is read so: kvobs/vllm/flight_recorder.py)."""
+        with self._drain_lock:
+            self.drain()
+            return read()
 
     def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> FailureEvent:
         """Make the failure's event and hand it to every sink (reports, spans); they finish before

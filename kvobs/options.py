@@ -49,6 +49,12 @@ class Options:
     """Opt-in: a load that would assert for missing chunks asks vLLM to recompute them instead, and the
     engine goes on (README, "Survive instead of crash"). Needs kvobs's connector and vLLM's
     ``kv_load_failure_policy: "recompute"``; off, vLLM's assertion stops the engine as without kvobs."""
+    flight_calls: int = 50_000
+    """The flight recorder (README, "Replay a failure"): the manager calls it keeps, from a snapshot of the
+    manager's state, for ``kvobs replay`` (between this many and twice as many); 0 turns it off."""
+    flight_bytes: int = 32 * 2**20
+    """Memory the flight recorder may take (its calls' keys and two state snapshots, estimated): a window
+    that outgrows it starts afresh sooner; a manager whose state alone outgrows half of it is not recorded."""
     survive_alarm_per_hour: int = 10
     """With ``survive``: more recomputed loads than this in an hour log an ERROR and count an alarm
     (``kvobs_recompute_alarms_total``, alert ``KvobsRecomputesKeepHappening``)."""
@@ -61,6 +67,8 @@ _INT_RANGES = {
     "journal_processes": (0, 1_000),
     "max_reports": (1, 1_000_000),
     "survive_alarm_per_hour": (1, 1_000_000),
+    "flight_calls": (0, 10_000_000),
+    "flight_bytes": (2**20, 2**40),
 }
 _STRINGS = ("dir", "engine", "model_name")
 _BOOLS = ("vllm_metrics", "survive")

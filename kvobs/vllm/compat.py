@@ -169,6 +169,25 @@ PROTOCOL: tuple[Method, ...] = (
 order: the one place kvobs writes the manager protocol down. ``kvobs.vllm.manager`` builds the
 wrapper's taps and class methods from it; :func:`check` checks it against vLLM's abstract methods and
 binds the tapped call shapes. A method vLLM adds is one row here."""
+FLIGHT_PASS = ("on_new_request", "complete_load", "touch", "on_reset_flushed")
+"""Methods kvobs otherwise passes through that change the manager's state: with the flight recorder on
+(kvobs/flight.py) they are tapped too, so a replay makes every call the manager saw."""
+CALL_ARGS: dict[str, tuple[str, ...]] = {
+    "lookup": ("key", "req"),
+    "prepare_load": ("keys", "req"),
+    "complete_load": ("keys", "req"),
+    "touch": ("keys", "req"),
+    "prepare_store": ("keys", "req"),
+    "complete_store": ("keys", "req", ""),
+    "on_new_request": ("req",),
+    "on_request_finished": ("req",),
+    "on_schedule_end": ("",),
+    "reset_cache": (),
+    "on_reset_flushed": (),
+}
+"""What each positional argument of a call the flight recorder keeps is (every release 0.30-0.34): a key, a
+collection of keys, a request context, or something else ("", kept as it is); kvobs/flight.py encodes a
+window's keys and requests by it, kvobs.vllm.replay decodes it."""
 PROTOCOL_BY_NAME: dict[str, Method] = {row.name: row for row in PROTOCOL}
 
 
@@ -311,6 +330,90 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     release = getattr(cpu, DEFERRED_RELEASE_METHOD, None)
     if callable(release):  # 0.34's tiering CPU tier
         setattr(cpu, DEFERRED_RELEASE_METHOD, DeferredReleaseTap(recorder, release, remove))
+
+
+def flight_unsupported(manager: OffloadingManager) -> str | None:
+    """Why the flight recorder cannot snapshot this manager's state (None: it can). Only vLLM's
+    ``CPUOffloadingManager`` pickles: a tiering manager holds locks, threads and a shared-memory region."""
+    if CPUOffloadingManager is None or not isinstance(manager, CPUOffloadingManager):
+        return (f"{type(manager).__name__}'s state cannot be snapshotted (only CPUOffloadingManager's can; "
+                "README, 'Replay a failure')")
+    return None
+
+
+def plain_context(req_context: Any) -> ReqContext:
+    """A ``ReqContext`` with ``req_context``'s id and vLLM's own state only: what a snapshot keeps of a request
+    (no prompt, nothing of the connector's request object, nothing of kvobs's)."""
+    copy = ReqContext(req_context.req_id)
+    state = getattr(req_context, "_state", None)
+    if isinstance(state, dict) and isinstance(getattr(copy, "_state", None), dict):
+        copy._state.update({k: v for k, v in state.items() if getattr(k, "__module__", "").startswith("vllm.")})
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if isinstance(positions, dict) and isinstance(getattr(copy, "_offload_key_positions", None), dict):
+        copy._offload_key_positions.update(positions)
+    return copy
+
+
+_INSTANCE_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _instance_names(obj: Any) -> tuple[str, ...]:
+    """The instance attributes ``obj``'s class sets (read from a throwaway instance of it: a CPU manager of one
+    chunk, a cache policy of one chunk's capacity, as every release builds them)."""
+    cls = type(obj)
+    names = _INSTANCE_NAMES.get(cls)
+    if names is None:
+        throwaway = cls(num_chunks=1) if isinstance(obj, CPUOffloadingManager) else cls(cache_capacity=1)
+        names = _INSTANCE_NAMES[cls] = tuple(vars(throwaway))
+    return names
+
+
+def _live_state(obj: Any) -> dict[str, Any]:
+    """``obj``'s instance attributes, read without ever reading its ``__dict__``: that would make CPython 3.11
+    give the live object a real dict, and every attribute access of vLLM's code on it run unspecialised from
+    then on (a quarter slower, measured: docs/performance.md, "Flight recorder"). ``gc.get_referents`` counts
+    its attribute values without that; a count the names do not account for (an attribute set after
+    ``__init__``) raises ProtocolMismatch, so no snapshot misses state."""
+    import gc
+
+    from kvobs.hot_path_loader import PolicyTap
+
+    names = _instance_names(obj)
+    state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
+    # kvobs's own taps (hook_policy's instance attributes) are no state of vLLM's: left out
+    referents = [r for r in gc.get_referents(obj) if r is not type(obj) and not isinstance(r, PolicyTap)]
+    if len(referents) == 1 and isinstance(referents[0], dict) and set(referents[0]) >= set(state):
+        return dict(referents[0])  # its __dict__ is a real one already (something read it): nothing to spare
+    if len(referents) != len(state):
+        raise ProtocolMismatch(f"{type(obj).__name__} holds {len(referents)} attributes, its class sets "
+                               f"{len(state)}: kvobs cannot snapshot it whole")
+    return state
+
+
+def snapshot_state(manager: OffloadingManager, contexts: list[Any]) -> bytes:
+    """The CPU manager's state and its live requests', pickled: ``(manager, {req_id: ReqContext})``, vLLM's
+    classes only, loadable with vLLM alone. The manager and its cache policy are pickled from their attributes
+    read one by one (:func:`_live_state`), so kvobs's policy taps (instance attributes the class does not set)
+    are left out and the live objects stay as fast as they were; requests as :func:`plain_context` makes them."""
+    import copyreg
+    import io
+    import pickle
+
+    policy = manager._policy  # type: ignore[attr-defined]
+    states = {id(manager): (manager, _live_state(manager)), id(policy): (policy, _live_state(policy))}
+
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            found = states.get(id(obj))
+            if found is not None and found[0] is obj:
+                # pickled as NEWOBJ: cls.__new__(cls), then the attributes set (typeshed lacks copyreg.__newobj__)
+                return copyreg.__newobj__, (type(obj),), found[1]  # type: ignore[attr-defined]
+            return NotImplemented
+
+    plain = {ctx.req_id: plain_context(ctx) for ctx in contexts}
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((manager, plain))
+    return buffer.getvalue()
 
 
 def loaded_chunk_ids(load_spec: Any) -> list[int]:

@@ -36,4 +36,12 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
     observer.add_sink(TracingSink(options.tracer_provider, options.engine, options.model_name))
     if cpu is not None:
         compat.hook_policy(cpu, observer.recorder, stamp_inserts=observer.recorder.keep_residency)
+    from kvobs.vllm.flight_recorder import start
+
+    try:
+        start(manager, observer)
+    except Exception as exc:  # the recorder is kvobs's own: it never stops the rest
+        observer.recorder.flight_off()
+        observer.flight_off_reason = f"it failed to start: {exc!r}"
+        observer.internal_error("flight", exc)
     return observer

@@ -53,6 +53,7 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
     methods are the inner manager's own bound methods; ``get_stats`` also adds kvobs's counters when
     the ``vllm_metrics`` option is on (kvobs/vllm/vllm_metrics.py)."""
     rec = observer.recorder
+    flight = observer.flight is not None  # the flight recorder also keeps compat.FLIGHT_PASS's calls
     taps: dict[str, Any] = {}
     for row in compat.PROTOCOL:
         name, kind = row.name, row.tap
@@ -61,7 +62,8 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
         method = getattr(inner, name)
         path = -1 if row.path is None else PATH_CODE[row.path]
         if kind == "pass":
-            taps[name] = method
+            taps[name] = (rec.pass_tap(method, name=name, shape=compat.CALL_ARGS[name])
+                          if flight and name in compat.FLIGHT_PASS else method)
         elif kind == "lookup":
             taps[name] = rec.lookup_tap(method, path=path, hit=compat.HIT, hit_pending=compat.HIT_PENDING,
                                         marks_frame=compat.lookup_can_remove(inner))
@@ -70,11 +72,11 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
         elif kind == "store":
             taps[name] = rec.store_tap(method, path=path)
         elif kind == "keys":
-            taps[name] = rec.keys_tap(method, path=path)
+            taps[name] = rec.keys_tap(method, path=path, name=name)
         elif kind == "request":
             taps[name] = rec.request_tap(method, path=path)
         elif kind == "call":
-            taps[name] = rec.call_tap(method, path=path)
+            taps[name] = rec.call_tap(method, path=path, name=name)
         else:
             raise compat.ProtocolMismatch(f"compat.PROTOCOL: {name} has an unknown tap kind {kind!r}")
     api = vllm_metrics.stats_api(observer.options)  # None unless the vllm_metrics option is on
@@ -245,6 +247,13 @@ class ObservedOffloadingManager(OffloadingManager):
             observer.internal_error("diagnosis", fault)
         else:
             observer.publish_failure(diagnosis, exc)
+            try:
+                from kvobs.vllm.flight_recorder import bundle_on_failure
+
+                bundle_on_failure(self._kvobs_inner, observer, keys, req_context, vllm_message,
+                                  diagnosis.message, diagnosis.cause, recomputed=recomputed)
+            except Exception as fault:
+                observer.internal_error("flight", fault)
         return survival.take_source() if recomputed and survival is not None else None
 
     def _kvobs_unloadable(self, keys: Sequence[bytes], req_context: Any, vllm_message: str) -> list[Unloadable]:

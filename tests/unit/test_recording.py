@@ -54,7 +54,7 @@ class Harness:
             drain_batches=10**9, on_near=lambda req, broken: self.near.append((req, broken)),
         )
         self.lookup = self.rec.lookup_tap(self.inner, path=LOOKUP, hit=HIT, hit_pending=HIT_PENDING, marks_frame=True)
-        self.store = self.rec.keys_tap(self.inner, path=STORE)
+        self.store = self.rec.keys_tap(self.inner, path=STORE, name="prepare_store")
         self.finish = self.rec.request_tap(self.inner, path=PATHS.index("schedule_end"))
         self.load = self.rec.load_tap(self.inner, on_failure=lambda e, k, r: self.failures.append((e, k, r)))
         self.evict = EvictTap(self.rec, self.inner)
@@ -131,7 +131,7 @@ def test_lookups_make_promises_and_a_removal_in_a_store_breaks_them() -> None:
         h.evict(1, set())
         return "stored"
 
-    store = h.rec.keys_tap(store_that_evicts, path=STORE)
+    store = h.rec.keys_tap(store_that_evicts, path=STORE, name="prepare_store")
     assert store([KEYS[4]], Ctx("b")) == "stored"
     h.rec.apply_all()
     run = h.rec.take_run()

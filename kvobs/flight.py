@@ -1,0 +1,180 @@
+"""The flight recorder: the last manager calls of an engine, from a snapshot of its state, for ``kvobs replay``.
+
+The taps capture every manager call (kvobs/hot_path.py, ``call_captured``); kvobs's applier writes each,
+once applied, into the current segment (kvobs.hot_path.FlightSegment: columns, keys into a key table,
+requests by id, answers by name; no Python object per call, so the garbage collector never walks a
+window of a hundred thousand calls and no vLLM object but the keys stays alive). Every ``flight_calls``
+calls the scheduler thread snapshots the manager's state between two calls (``Recorder.roll``; the
+manager and its live requests, pickled by kvobs.vllm.compat.snapshot_state) and a new segment starts;
+a window is the two latest segments, so it always starts at a state it can be replayed from: between
+``flight_calls`` and twice as many calls.
+
+Bounded: the segments' estimated memory (their snapshots, calls and keys; ``FlightSegment.nbytes``)
+stays within ``flight_bytes``: a segment that outgrows its share asks for the next snapshot sooner, and a
+snapshot that alone takes more than a quarter turns the recorder off (``off_reason`` says why, and so
+does a bundle). Nothing here imports vLLM: what each argument of a call is comes from
+kvobs.vllm.compat.CALL_ARGS.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import zipfile
+from array import array
+from pathlib import Path
+from typing import Any
+
+from kvobs.files import write_durably
+from kvobs.hot_path_loader import FlightSegment
+
+MAX_BUNDLES = 4
+"""Replay bundles kept in ``<dir>/replay/`` (all engines together; the oldest deleted), each at most
+``flight_bytes``: kvobs.journal.disk_bound counts them."""
+BUNDLE_DIR = "replay"
+BUNDLE_SUFFIX = ".kvobs-replay.zip"
+BUNDLE_FORMAT = 1
+HEADER = "bundle.json"
+WINDOW = "window.pickle"
+
+
+Encoded = tuple[str, tuple[tuple[str, Any], ...], "bytes | None", Any]
+"""A call in a bundle: its method; each argument as ``("k", i)`` (key ``i`` of the bundle's key table),
+``("K", bytes)`` (the indices of several, ``array("I")`` bytes), ``("r", req_id)`` (a request),
+``("v", value)`` (None, a bool, an int or a str) or ``("p", bytes)`` (anything else, pickled); its keywords,
+pickled; and its answer (a lookup's result by name, whether a store was accepted)."""
+
+
+class FlightWindow:
+    """The recorder's window: the segment since the last snapshot and the one before it
+    (kvobs.hot_path.FlightSegment, filled by the applier), the newest state a replay can start from.
+
+    Installs each new segment on ``recorder`` (``flight_segment``) as its snapshot is applied, and turns the
+    recorder off (``recorder.flight_off``) with a reason when a snapshot outgrows its share of ``max_bytes``.
+    ``roles`` is kvobs.vllm.compat.CALL_ARGS.
+    """
+
+    def __init__(self, recorder: Any, max_bytes: int, roles: dict[str, tuple[str, ...]]) -> None:
+        self.recorder = recorder
+        self.max_bytes = max_bytes
+        self.roles = roles
+        self._older: Any = None
+        self._current: Any = None
+        self.off_reason: str | None = None
+        self.snapshots = 0
+
+    def on_snapshot(self, state: bytes) -> None:
+        """A snapshot was applied: the current segment becomes the older one, a new one starts from ``state``."""
+        self.snapshots += 1
+        if len(state) > self.max_bytes // 4:
+            self.off(f"the manager's state snapshot takes {len(state)} bytes, over a quarter of flight_bytes "
+                     f"({self.max_bytes})")
+            return
+        self._older = self._current
+        older = 0 if self._older is None else self._older.nbytes
+        budget = self.max_bytes - older  # what the new segment may reach, its state included (the two: max_bytes)
+        self._current = FlightSegment(state, time.time(), self.roles, budget)
+        self.recorder.flight_segment = self._current
+
+    def off(self, reason: str) -> None:
+        """Stop recording (and forget the window): ``reason`` says why, in every bundle from now."""
+        self.off_reason = reason
+        self.recorder.flight_off()
+        self._older = self._current = None
+
+    @property
+    def calls(self) -> int:
+        """Calls in the window now."""
+        return sum(len(s) for s in (self._older, self._current) if s is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """The window's estimated memory: its calls, keys and the two snapshots."""
+        return sum(s.nbytes for s in (self._older, self._current) if s is not None)
+
+    def window(self, last: tuple[Any, ...] | None = None) -> tuple[bytes | None, float, list[bytes], list[Encoded]]:
+        """(the state the window starts from, when it was taken, the key table, the calls since, oldest first,
+        then ``last``, a capture of a call that did not return), read under the observer's drain lock."""
+        segments = [s for s in (self._older, self._current) if s is not None]
+        if not segments:
+            return None, 0.0, [], []
+        if last is not None:
+            tail = FlightSegment(b"", 0.0, self.roles, 1 << 62)
+            tail.add(last)
+            segments.append(tail)
+        keys: list[bytes] = []
+        calls: list[Encoded] = []
+        for segment in segments:
+            calls.extend(self._decoded(segment, len(keys)))
+            keys.extend(bytes(k) for k in segment.keys)
+        return segments[0].state, segments[0].taken, keys, calls
+
+    def _decoded(self, segment: Any, offset: int) -> list[Encoded]:
+        out: list[Encoded] = []
+        start = 0
+        for i, method in enumerate(segment.methods):
+            end = segment.key_ends[i]
+            refs = [r + offset for r in segment.key_refs[start:end]]
+            start = end
+            extras = dict(segment.extras.get(i, ()))
+            args: list[tuple[str, Any]] = []
+            for position, role in enumerate(self.roles.get(method, ())):
+                if role == "key":
+                    args.append(("k", refs[0]))
+                elif role == "keys":
+                    args.append(("K", array("I", refs).tobytes()))
+                elif role == "req":
+                    args.append(("r", segment.req_ids[segment.reqs[i]]))
+                elif position in extras:
+                    value = extras[position]
+                    args.append(("p", value) if isinstance(value, bytes) else ("v", value))
+                else:
+                    break  # the call was made without it (an optional argument)
+            code = segment.outcomes[i]
+            out.append((method, tuple(args), extras.get(-1), None if code < 0 else segment.outcome_values[code]))
+        return out
+
+
+def decode_indices(packed: bytes) -> list[int]:
+    """The key indices a ``("K", bytes)`` argument holds."""
+    out = array("I")
+    out.frombytes(packed)
+    return out.tolist()
+
+
+def write_bundle(path: str, header: dict[str, Any], window: bytes | None) -> int:
+    """Write a bundle: ``bundle.json`` (what a person reads) and ``window.pickle`` (the state and calls a
+    replay makes); its size in bytes. Whole or not at all, private (0600), durable (kvobs.files)."""
+    header = {"format": BUNDLE_FORMAT, **header}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as bundle:
+        bundle.writestr(HEADER, json.dumps(header, indent=2, sort_keys=True, default=str))
+        if window is not None:
+            bundle.writestr(WINDOW, window)
+    data = buffer.getvalue()
+    write_durably(Path(path), data)
+    return len(data)
+
+
+def read_header(path: str) -> dict[str, Any]:
+    """A bundle's ``bundle.json``; raises ValueError naming what is wrong with the file."""
+    try:
+        with zipfile.ZipFile(path) as bundle:
+            header = json.loads(bundle.read(HEADER))
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: not a kvobs replay bundle ({exc})") from exc
+    if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT:
+        raise ValueError(f"{path}: bundle format {header.get('format') if isinstance(header, dict) else '?'!r}, "
+                         f"this kvobs reads format {BUNDLE_FORMAT}")
+    return header
+
+
+def read_window(path: str) -> bytes:
+    """A bundle's ``window.pickle`` (raises ValueError if it has none: its header says why)."""
+    with zipfile.ZipFile(path) as bundle:
+        try:
+            return bundle.read(WINDOW)
+        except KeyError:
+            raise ValueError(f"{path}: the bundle holds no window to replay") from None
+

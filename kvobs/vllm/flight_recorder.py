@@ -1,0 +1,173 @@
+"""The flight recorder on a vLLM manager: started with its observer; a replay bundle at every failed load.
+
+The window itself is kvobs/flight.py's; this module knows the manager it snapshots (kvobs.vllm.compat
+``snapshot_state``, ``CALL_ARGS``) and writes bundles into ``<dir>/replay/`` (the newest
+``MAX_BUNDLES`` kept), or wherever :func:`write_bundle` is asked to. ``kvobs replay`` reads them
+(kvobs.vllm.replay).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingManager
+
+from kvobs import __version__
+from kvobs.files import private_dir
+from kvobs.flight import BUNDLE_DIR, BUNDLE_SUFFIX, MAX_BUNDLES, FlightWindow, write_bundle as write_bundle_file
+from kvobs.hot_path_loader import CALL
+from kvobs.observer import Observer
+from kvobs.vllm import compat
+
+FAILED = "AssertionError"
+"""The answer recorded for the load that failed (kvobs.vllm.replay compares against it)."""
+
+logger = logging.getLogger("kvobs")
+
+LIMITS = (
+    "request contexts are replayed as plain ReqContext objects with their id, vLLM's own per-request state and "
+    "key positions (nothing of the prompt): a manager that reads the scheduler's request fields may diverge",
+    "only the CPU manager's calls are recorded: transfers happen in the worker, so a replay makes the calls "
+    "in the order the scheduler made them, which is the order the manager saw",
+)
+"""What a replay cannot reproduce, said in every bundle (README, 'Replay a failure')."""
+
+SURVIVED_BUNDLE_EVERY_S = 60.0
+"""A load survive mode recomputed writes a bundle at most this often (each takes the scheduler thread a
+fraction of a second; the engine goes on)."""
+
+_sequence = 0
+_sequence_lock = threading.Lock()
+
+
+def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None:
+    """Start the flight recorder on ``manager`` (the inner manager) when the options keep one and its state
+    can be snapshotted; None (and the reason in ``observer.flight_off_reason``) when not."""
+    options = observer.options
+    if options.flight_calls <= 0:
+        observer.flight_off_reason = "the flight_calls option is 0"
+        return None
+    reason = compat.flight_unsupported(manager)
+    if reason is not None:
+        observer.flight_off_reason = reason
+        logger.info("kvobs: no flight recorder on this engine: %s", reason)
+        return None
+    rec = observer.recorder
+    try:  # a manager kvobs cannot snapshot whole (an attribute its class does not set): no recorder, said once
+        compat.snapshot_state(manager, [])
+    except (compat.ProtocolMismatch, pickle.PicklingError, TypeError, AttributeError) as exc:
+        observer.flight_off_reason = str(exc)
+        logger.info("kvobs: no flight recorder on this engine: %s", exc)
+        return None
+    window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS)
+    observer.flight = window
+
+    def snapshot() -> bytes | None:
+        """The state now; None, and the recorder off with the reason, when it cannot be pickled any more (a class
+        something replaced since, an attribute that does not pickle): a limit, not a fault of kvobs's."""
+        try:
+            return compat.snapshot_state(manager, list(rec.flight_live.values()))
+        except (compat.ProtocolMismatch, pickle.PicklingError, TypeError, AttributeError) as exc:
+            window.off(f"the manager's state cannot be snapshotted any more: {exc!r}")
+            observer.flight_off_reason = window.off_reason
+            logger.warning("kvobs: flight recorder off: %s", window.off_reason)
+            return None
+
+    rec.flight_on(window.on_snapshot, snapshot, options.flight_calls)
+    return window
+
+
+def _header(manager: OffloadingManager, observer: Observer, window: FlightWindow | None) -> dict[str, Any]:
+    options = observer.options
+    return {
+        "kvobs_version": __version__,
+        "vllm_version": compat.VLLM_VERSION,
+        "manager": f"{type(manager).__module__}.{type(manager).__qualname__}",
+        "engine": options.engine,
+        "model_name": options.model_name,
+        "created": time.time(),
+        "options": {"flight_calls": options.flight_calls, "flight_bytes": options.flight_bytes},
+        "snapshots": 0 if window is None else window.snapshots,
+        "limits": list(LIMITS),
+    }
+
+
+def write_bundle(
+    path: str | os.PathLike[str],
+    manager: OffloadingManager,
+    observer: Observer,
+    failure: dict[str, Any] | None = None,
+    failing_call: tuple[Collection[bytes], Any] | None = None,
+) -> int:
+    """Write ``manager``'s flight window to ``path`` (with the failed load, when there is one); its size.
+    The window is read with every capture applied (``Observer.applied``). A window over ``flight_bytes`` is
+    left out (the header says why)."""
+    window: FlightWindow | None = observer.flight
+    header = _header(manager, observer, window)
+    last = None if failing_call is None else (CALL, "prepare_load", (list(failing_call[0]), failing_call[1]), None,
+                                              FAILED)
+    empty: tuple[bytes | None, float, list[bytes], list[Any]] = (None, 0.0, [], [])
+    state, since, keys, calls = empty if window is None else observer.applied(lambda: window.window(last))
+    reason = observer.flight_off_reason if window is None else window.off_reason
+    blob = None
+    if state is not None:
+        blob = pickle.dumps({"state": state, "keys": keys, "calls": calls}, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(blob) > observer.options.flight_bytes:
+            reason = f"the window takes {len(blob)} bytes, over flight_bytes ({observer.options.flight_bytes})"
+            blob = None
+    header["window"] = {
+        "calls": len(calls) if blob is not None else 0,
+        "keys": len(keys) if blob is not None else 0,
+        "since": since,
+        "replayable": blob is not None,
+        "why_not": None if blob is not None else reason or "no snapshot taken yet",
+    }
+    if failure is not None:
+        header["failure"] = failure
+    return write_bundle_file(str(path), header, blob)
+
+
+def bundle_on_failure(
+    manager: OffloadingManager, observer: Observer, keys: Collection[bytes], req_context: Any,
+    vllm_message: str, message: str, cause: str, *, recomputed: bool = False,
+) -> str | None:
+    """At a failed load, with ``dir`` set: the bundle beside the failure reports (``<dir>/replay/``), the oldest
+    beyond ``MAX_BUNDLES`` deleted, and one log line saying where (the engine is about to die). A load survive
+    mode recomputed gets a bundle at most every ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes
+    on; kvobs's own line said it). Its path, or None."""
+    if observer.options.dir is None:
+        return None
+    now = time.monotonic()
+    if recomputed:
+        last = observer.last_bundle_at
+        if last is not None and now - last < SURVIVED_BUNDLE_EVERY_S:
+            return None
+    observer.last_bundle_at = now
+    global _sequence
+    with _sequence_lock:
+        _sequence += 1
+        sequence = _sequence
+    folder = private_dir(Path(observer.options.dir) / BUNDLE_DIR)
+    name = f"{int(time.time() * 1000):015d}-{observer.options.engine}-{os.getpid()}-{sequence}{BUNDLE_SUFFIX}"
+    path = folder / name
+    failure = {"method": "prepare_load", "req_id": req_context.req_id, "vllm_message": vllm_message,
+               "message": message, "cause": cause, "recomputed": recomputed}
+    size = write_bundle(path, manager, observer, failure, (list(keys), req_context))
+    for stale in sorted(folder.glob(f"*{BUNDLE_SUFFIX}"), reverse=True)[MAX_BUNDLES:]:
+        stale.unlink(missing_ok=True)
+    if not recomputed:
+        window = observer.flight
+        why_not = observer.flight_off_reason if window is None else window.off_reason
+        if why_not is None:
+            logger.error("kvobs: replay bundle for this failure: %s (%d bytes); reproduce it with: kvobs replay %s",
+                         path, size, path)
+        else:
+            logger.error("kvobs: replay bundle for this failure: %s, without a window to replay (%s)", path, why_not)
+    return str(path)
