@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvobs.demo.engine import DEFECT_FIRED_SUFFIX, DEFECT_TRIGGER_ENV
 from kvobs.vllm.cpu_worker import CPUCopyOffloadingSpec
+from kvobs.vllm.spec import ObservedOffloadingSpec
 
 TRIGGER_ENV, FIRED_SUFFIX = DEFECT_TRIGGER_ENV, DEFECT_FIRED_SUFFIX
 
@@ -104,6 +105,16 @@ class ArmedDefect:
 class LoadEvictsSpec(ArmedDefect, CPUCopyOffloadingSpec):
     """kvobs's CPU copy spec whose manager, once armed, evicts the first chunk of the next load just
     before it (:func:`_arm_eviction_before_load`); fires once."""
+
+    arm = staticmethod(_arm_eviction_before_load)
+
+
+class CallerEvictsSpec(ArmedDefect, ObservedOffloadingSpec):
+    """kvobs's own spec (around the inner spec its ``kvobs`` options name) whose *observed* manager, once armed,
+    evicts the first chunk of the next load just before it (:func:`_arm_eviction_before_load`), through the
+    observed manager's own calls: the code that breaks the promise is a caller, as a connector or scheduler
+    bug would be, so kvobs's flight recorder sees every call and ``kvobs replay`` reproduces the engine's
+    death from its bundle (tests/engine/test_replay_engine.py). Fires once."""
 
     arm = staticmethod(_arm_eviction_before_load)
 
