@@ -304,7 +304,13 @@ MANAGERS: dict[str, Callable[[int], dict[str, Any]]] = {
     "cpu": lambda n: cpu_extra(n),
     "tiering": lambda n: tiering_extra(n),
 }
-SIDES = ("bare", "observed", "observed+journal")
+SIDES = ("bare", "observed", "observed+journal", "observed+flight")
+"""``observed``: kvobs.observe()'s defaults; ``observed+flight``: the same with the flight recorder on
+(``FLIGHT_CALLS``), so ``observed+flight / observed`` is what the recorder adds (issue 32)."""
+FLIGHT_CALLS = 50_000
+"""The flight recorder's window the ``observed+flight`` side keeps (README's suggestion)."""
+TARGET_FLIGHT_RATIO = 1.03
+"""What the flight recorder may add to the observed manager's scheduler-thread CPU (compiled; issue 32)."""
 
 
 @dataclass
@@ -330,7 +336,8 @@ def build(trace: Trace, side: str, journal_dir: Path | None) -> OffloadingManage
     m = create_manager(MANAGERS[trace.manager](trace.workload.num_chunks))
     if side == "bare":
         return m
-    return kvobs.observe(m, dir=str(journal_dir) if side == "observed+journal" else None, engine="bench")
+    flight = {"flight_calls": FLIGHT_CALLS} if side == "observed+flight" else {}
+    return kvobs.observe(m, dir=str(journal_dir) if side == "observed+journal" else None, engine="bench", **flight)
 
 
 def replay_once(trace: Trace, side: str, journal_dir: Path | None) -> tuple[float, float]:
@@ -514,6 +521,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         1e6 * (median(thread[side]) - bare_t) / calls,
                     )
                 )
+            flight = paired_ratios(sliced["observed+flight"], sliced["observed"])
+            whole = paired_ratios(thread["observed+flight"], thread["observed"])
+            res["flight_ratio"], res["flight_ratio_spread"] = median(flight), spread(flight)
+            res["flight_whole_ratio"], res["flight_whole_ratio_spread"] = median(whole), spread(whole)
+            res["flight_process_ratio"] = median(paired_ratios(process["observed+flight"], process["observed"]))
             results[manager] = res
     print_table(
         f"Overhead: replayed scheduler workload, {runs} interleaved runs per side "
@@ -538,6 +550,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  target: with the journal (dir=..., what the sidecar reads), process CPU (writer thread included) "
           f"<= {TARGET_JOURNAL_PROCESS_RATIO} -> worst {journal:.3f}: "
           f"{'MET' if journal <= TARGET_JOURNAL_PROCESS_RATIO else 'MISSED'}")
+    for m in managers:
+        res = results[m]
+        print(f"  flight recorder ({m}): observed+flight / observed on the scheduler thread = "
+              f"{res['flight_whole_ratio']:.3f} (spread {res['flight_whole_ratio_spread']}) from whole replays, which "
+              f"count the garbage collector's share, {res['flight_ratio']:.3f} (spread {res['flight_ratio_spread']}) "
+              f"from slices; process {res['flight_process_ratio']:.3f}; target <= {TARGET_FLIGHT_RATIO} compiled"
+              + ("" if m == "cpu" else " (no recorder: this manager's state cannot be snapshotted)"))
     results["hot_path"] = HOT_PATH
     results["target_met"] = worst <= target and journal <= TARGET_JOURNAL_PROCESS_RATIO
     write_json(args.json, "overhead", results)

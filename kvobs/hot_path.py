@@ -84,10 +84,9 @@ _REMOVAL = 3  # (_REMOVAL, keys, reason, residency, time, path, req_id, unlisted
 _EVICTED = 4  # (_EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency)
 _CALL = 5  # (_CALL, method name, args, kwargs or None, outcome): a call only the flight recorder keeps
 _SNAPSHOT = 6  # (_SNAPSHOT, state): the manager's state after every call captured before it
-_KEYS_CALL = 7  # (_KEYS_CALL, method name, keys, req_context, outcome): name(keys, req_context), flight recorder's
-_REQ_CALL = 8  # (_REQ_CALL, method name, req_context): name(req_context), the flight recorder's
+_FLAT = 7  # not a tuple: the int alone, for a call only the flight recorder keeps (Recorder.flight_captured)
 _STAGE_OF_KIND = ("record.lookup", "record.load", "record.finish", "record.removal", "record.removal",
-                  "flight", "flight", "flight", "flight")
+                  "flight", "flight")
 _NEVER = 1 << 62
 _CALL_BYTES = 24  # a call's columns (method reference, request, outcome, key end) and list growth
 _REF_BYTES = 6  # a key reference (an array item and its growth)
@@ -366,29 +365,23 @@ class FlightSegment:
         """Record the call a capture stands for; True once the segment is over its budget."""
         kind: int = item[0]
         if kind == _LOOKUP:
-            self._call("lookup", item[2], item[3])
+            self._call("lookup", item[2].req_id, item[3])
             self._key(item[1])
         elif kind == _LOAD:
-            self._call("prepare_load", item[2], True)
+            self._call("prepare_load", item[2].req_id, True)
             for key in item[1]:
                 self._key(key)
         elif kind == _FINISH:
-            self._call("on_request_finished", item[1], None)
-        elif kind == _KEYS_CALL:
-            self._call(item[1], item[3], item[4])
-            for key in item[2]:
-                self._key(key)
-        elif kind == _REQ_CALL:
-            self._call(item[1], item[2], None)
+            self._call("on_request_finished", item[1].req_id, None)
         elif kind == _CALL:
             name: str = item[1]
             args: tuple[Any, ...] = item[2]
             roles = self._roles.get(name, ())
-            context: Any = None
+            req_id: str | None = None
             for position in range(len(args)):
                 if position < len(roles) and roles[position] == "req":
-                    context = args[position]
-            self._call(name, context, item[4])
+                    req_id = args[position].req_id
+            self._call(name, req_id, item[4])
             for position in range(len(args)):
                 role = roles[position] if position < len(roles) else ""
                 value = args[position]
@@ -406,12 +399,19 @@ class FlightSegment:
         self.key_ends.append(len(self.key_refs))
         return self.nbytes > self.budget
 
-    def _call(self, method: str, context: Any, outcome: Any) -> None:
+    def add_flat(self, method: str, req_id: str | None, outcome: Any, keys: list[bytes]) -> bool:
+        """Record a call captured flat (``Recorder.flight_captured``); True once over the budget."""
+        self._call(method, req_id, outcome)
+        for key in keys:
+            self._key(key)
+        self.key_ends.append(len(self.key_refs))
+        return self.nbytes > self.budget
+
+    def _call(self, method: str, req_id: str | None, outcome: Any) -> None:
         self.methods.append(method)
-        if context is None:
+        if req_id is None:
             self.reqs.append(-1)
         else:
-            req_id: str = context.req_id
             index = self._req_index.get(req_id)
             if index is None:
                 index = self._req_index[req_id] = len(self.req_ids)
@@ -490,7 +490,12 @@ class Recorder:
         self._drain_batches = drain_batches
         # A deque: appends from any thread and popleft() by the applier never lose one (a list swapped
         # under a Python-form capture could).
-        self.captures: deque[tuple[Any, ...]] = deque()
+        self.captures: deque[Any] = deque()
+        # A call only the flight recorder keeps is captured flat: its method, request id, outcome and key count
+        # here, its keys in ``flight_keys``, and ``_FLAT`` alone in ``captures`` to keep its place. No object is
+        # made or kept alive per call, so none has to be collected (docs/performance.md, issue 32).
+        self.flight_items: deque[Any] = deque()
+        self.flight_keys: deque[bytes] = deque()
         self._capture_wake = max(1, capture_wake)
         self._capture_limit = max(self._capture_wake, capture_limit)
         self.captures_full = 0
@@ -565,7 +570,7 @@ class Recorder:
 
     # -- capture and apply ----------------------------------------------------------------
 
-    def capture(self, item: tuple[Any, ...]) -> None:
+    def capture(self, item: Any) -> None:
         """Append one capture (the only recording a tap does on the caller's thread). Never raises
         kvobs's own faults; at the buffer's limit it applies the buffer here first."""
         captures = self.captures
@@ -574,13 +579,32 @@ class Recorder:
         if waiting >= self._capture_wake:
             self._backlogged(waiting)
 
-    def call_captured(self, item: tuple[Any, ...]) -> None:
+    def call_captured(self, item: Any) -> None:
         """Capture a manager call that just returned (a boundary between calls: where the flight
         recorder may snapshot the manager's state)."""
         self.capture(item)
         self._flight_left -= 1
         if self._flight_left <= 0:
             self.roll()
+
+    def flight_captured(self, method: str, keys: Any, req_id: str | None, outcome: Any) -> None:
+        """Capture, flat, a call only the flight recorder keeps: ``method(keys, ...)`` of request ``req_id``
+        (``keys`` None: it took none) that answered ``outcome``. Never raises."""
+        try:
+            count = 0
+            if keys is not None:
+                count = len(keys)
+                self.flight_keys.extend(keys)
+            items = self.flight_items
+            items.append(method)
+            items.append(req_id)
+            items.append(outcome)
+            items.append(count)
+        except Exception as exc:
+            self.on_error("flight", exc)
+            self.flight_off()
+            return
+        self.call_captured(_FLAT)
 
     def flight_on(self, on_snapshot: Callable[[bytes], None], snapshot: Callable[[], bytes | None],
                   segment: int) -> None:
@@ -656,6 +680,9 @@ class Recorder:
             except IndexError:
                 break
             done += 1
+            if isinstance(item, int):  # _FLAT: a call only the flight recorder keeps, its parts in order
+                self._apply_flat()
+                continue
             kind: int = item[0]
             try:
                 if kind == _LOOKUP:
@@ -664,7 +691,7 @@ class Recorder:
                     self._apply_load(item[1], item[2], item[3])
                 elif kind == _FINISH:
                     self.promises.finished(item[1].req_id)
-                elif kind in (_CALL, _KEYS_CALL, _REQ_CALL):
+                elif kind == _CALL:
                     pass  # the flight recorder's alone
                 elif kind == _SNAPSHOT:
                     on_snapshot = self.flight
@@ -687,6 +714,20 @@ class Recorder:
                 except Exception as exc:
                     self.on_error("flight", exc)
         return done
+
+    def _apply_flat(self) -> None:
+        items, keys = self.flight_items, self.flight_keys
+        try:
+            method: str = items.popleft()
+            req_id: str | None = items.popleft()
+            outcome = items.popleft()
+            count: int = items.popleft()
+            taken = [keys.popleft() for _ in range(count)]
+            segment = self.flight_segment
+            if segment is not None and segment.add_flat(method, req_id, outcome, taken):
+                self._flight_left = 0  # over its budget: snapshot after the next call
+        except Exception as exc:
+            self.on_error("flight", exc)
 
     def _apply_lookup(self, key: bytes, req_context: Any, result: object, now: float) -> None:
         req_id = req_context.req_id
@@ -972,7 +1013,7 @@ class KeysTap:
             rec.frame = before
         if rec.flight_calls:
             if success is _ABSENT:
-                rec.call_captured((_KEYS_CALL, self.name, keys, req_context, None))
+                rec.flight_captured(self.name, keys, req_context.req_id, None)
             else:
                 rec.call_captured((_CALL, self.name, (keys, req_context, success), None, None))
         return result
@@ -998,7 +1039,7 @@ class StoreTap:
             except Exception as exc:
                 rec.on_error("record.store", exc)
         if rec.flight_calls:
-            rec.call_captured((_KEYS_CALL, "prepare_store", keys, req_context, result is not None))
+            rec.flight_captured("prepare_store", keys, req_context.req_id, result is not None)
         return result
 
 
@@ -1060,7 +1101,7 @@ class NewRequestTap:
             if len(live) >= rec.flight_live_limit and req_context.req_id not in live:
                 del live[next(iter(live))]
             live[req_context.req_id] = req_context
-            rec.call_captured((_REQ_CALL, "on_new_request", req_context))
+            rec.flight_captured("on_new_request", None, req_context.req_id, None)
         return result
 
 
@@ -1076,7 +1117,7 @@ class KeysPassTap:
         result = self.inner(keys, req_context)
         rec = self.rec
         if rec.flight_calls:
-            rec.call_captured((_KEYS_CALL, self.name, keys, req_context, None))
+            rec.flight_captured(self.name, keys, req_context.req_id, None)
         return result
 
 

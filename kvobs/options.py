@@ -49,9 +49,11 @@ class Options:
     """Opt-in: a load that would assert for missing chunks asks vLLM to recompute them instead, and the
     engine goes on (README, "Survive instead of crash"). Needs kvobs's connector and vLLM's
     ``kv_load_failure_policy: "recompute"``; off, vLLM's assertion stops the engine as without kvobs."""
-    flight_calls: int = 50_000
-    """The flight recorder (README, "Replay a failure"): the manager calls it keeps, from a snapshot of the
-    manager's state, for ``kvobs replay`` (between this many and twice as many); 0 turns it off."""
+    flight_calls: int = 0
+    """The flight recorder (README, "Replay a failure"), opt-in: the manager calls it keeps, from a snapshot of
+    the manager's state, for ``kvobs replay`` (between this many and twice as many; 50,000 is a good start);
+    0, the default, keeps none (it costs 6-10% of the observed manager's scheduler-thread time:
+    docs/performance.md, issue 32)."""
     flight_bytes: int = 32 * 2**20
     """Memory the flight recorder may take (its calls' keys and two state snapshots, estimated): a window
     that outgrows it starts afresh sooner; a manager whose state alone outgrows half of it is not recorded."""

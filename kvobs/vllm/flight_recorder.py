@@ -52,7 +52,7 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
     can be snapshotted; None (and the reason in ``observer.flight_off_reason``) when not."""
     options = observer.options
     if options.flight_calls <= 0:
-        observer.flight_off_reason = "the flight_calls option is 0"
+        observer.flight_off_reason = "the flight recorder is off (flight_calls is 0: README, 'Replay a failure')"
         return None
     reason = compat.flight_unsupported(manager)
     if reason is not None:
@@ -138,11 +138,11 @@ def bundle_on_failure(
     manager: OffloadingManager, observer: Observer, keys: Collection[bytes], req_context: Any,
     vllm_message: str, message: str, cause: str, *, recomputed: bool = False,
 ) -> str | None:
-    """At a failed load, with ``dir`` set: the bundle beside the failure reports (``<dir>/replay/``), the oldest
+    """At a failed load, with ``dir`` set and the recorder asked for (``flight_calls``): the bundle beside the failure reports (``<dir>/replay/``), the oldest
     beyond ``MAX_BUNDLES`` deleted, and one log line saying where (the engine is about to die). A load survive
     mode recomputed gets a bundle at most every ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes
     on; kvobs's own line said it). Its path, or None."""
-    if observer.options.dir is None:
+    if observer.options.dir is None or observer.options.flight_calls <= 0:  # no recorder asked for: no bundle
         return None
     now = time.monotonic()
     if recomputed:

@@ -123,7 +123,7 @@ def test_a_good_config_observes_and_leaves_the_directory_as_it_was(runs: dict[st
     assert said["survive"].startswith("armed at start-up")
     assert said["observes"].startswith("yes: every method and attribute kvobs reads of CPUOffloadingManager")
     assert said["hot path"] in ("compiled (mypyc)",) or said["hot path"].startswith("pure Python")
-    assert said["dir"].startswith(f"{tmp / 'existing'} (option dir): writable; kvobs keeps at most 1.21 GiB")
+    assert said["dir"].startswith(f"{tmp / 'existing'} (option dir): writable; kvobs keeps at most 1.09 GiB")
     assert said["result"] == "kvobs will observe this engine"
     assert len(said) == 9
     assert sorted(str(p.relative_to(tmp)) for p in (tmp / "existing").rglob("*")) == [
