@@ -55,16 +55,16 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
         observer.flight_off_reason = "the flight recorder is off (flight_calls is 0: README, 'Replay a failure')"
         return None
     reason = compat.flight_unsupported(manager)
-    if reason is not None:
+    if reason is not None:  # asked for (flight_calls) and not possible: a warning, once
         observer.flight_off_reason = reason
-        logger.info("kvobs: no flight recorder on this engine: %s", reason)
+        logger.warning("kvobs: no flight recorder on this engine: %s", reason)
         return None
     rec = observer.recorder
     try:  # a manager kvobs cannot snapshot whole (an attribute its class does not set): no recorder, said once
         compat.snapshot_state(manager, [])
     except (compat.ProtocolMismatch, pickle.PicklingError, TypeError, AttributeError) as exc:
         observer.flight_off_reason = str(exc)
-        logger.info("kvobs: no flight recorder on this engine: %s", exc)
+        logger.warning("kvobs: no flight recorder on this engine: %s", exc)
         return None
     window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS)
     observer.flight = window
@@ -138,10 +138,11 @@ def bundle_on_failure(
     manager: OffloadingManager, observer: Observer, keys: Collection[bytes], req_context: Any,
     vllm_message: str, message: str, cause: str, *, recomputed: bool = False,
 ) -> str | None:
-    """At a failed load, with ``dir`` set and the recorder asked for (``flight_calls``): the bundle beside the failure reports (``<dir>/replay/``), the oldest
-    beyond ``MAX_BUNDLES`` deleted, and one log line saying where (the engine is about to die). A load survive
-    mode recomputed gets a bundle at most every ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes
-    on; kvobs's own line said it). Its path, or None."""
+    """At a failed load, with ``dir`` set and the recorder asked for (``flight_calls``): the bundle beside the
+    failure reports (``<dir>/replay/``), the oldest beyond ``MAX_BUNDLES`` deleted, and one log line saying
+    where (the engine is about to die). A load survive mode recomputed gets a bundle at most every
+    ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes on; kvobs's own line said it). Its path, or
+    None."""
     if observer.options.dir is None or observer.options.flight_calls <= 0:  # no recorder asked for: no bundle
         return None
     now = time.monotonic()
