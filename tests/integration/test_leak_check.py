@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import pytest
@@ -31,7 +32,13 @@ ENVIRONMENTS: dict[str, Callable[[], dict[str, str] | None]] = {
 def test_the_leak_check_sees_a_process_started_with_each_helpers_environment(helper: str) -> None:
     proc = subprocess.Popen(SLEEPER, env=ENVIRONMENTS[helper]())  # built now: the test's id is in os.environ
     try:
+        # A process just forked may not show its environment yet (/proc/<pid>/environ is read as it execs):
+        # look again for a while, as the leak check itself only runs long after a test started its processes.
+        deadline = time.monotonic() + 10
         seen = processes_of_this_session()
+        while proc.pid not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = processes_of_this_session()
     finally:
         proc.kill()
         proc.wait(timeout=10)
