@@ -29,6 +29,8 @@ from typing import Any
 from kvobs.files import write_durably
 from kvobs.hot_path_loader import FlightSegment
 
+ASK_AT = 0.8
+"""A segment asks for the next snapshot at this share of its budget (kvobs.flight.FlightWindow.over)."""
 MAX_BUNDLES = 4
 """Replay bundles kept in ``<dir>/replay/`` (all engines together; the oldest deleted), each at most
 ``flight_bytes``: kvobs.journal.disk_bound counts them."""
@@ -61,6 +63,7 @@ class FlightWindow:
         self.roles = roles
         self._older: Any = None
         self._current: Any = None
+        self._asked: Any = None  # the segment that asked for the next snapshot already
         self.off_reason: str | None = None
         self.snapshots = 0
 
@@ -72,10 +75,26 @@ class FlightWindow:
                      f"({self.max_bytes})")
             return
         self._older = self._current
-        older = 0 if self._older is None else self._older.nbytes
-        budget = self.max_bytes - older  # what the new segment may reach, its state included (the two: max_bytes)
-        self._current = FlightSegment(state, time.time(), self.roles, budget)
+        share = self.max_bytes - (0 if self._older is None else self._older.nbytes)  # its state included
+        self._current = FlightSegment(state, time.time(), self.roles, int(share * ASK_AT))
         self.recorder.flight_segment = self._current
+        self.recorder.flight_over = self.over
+
+    def over(self, segment: Any) -> None:
+        """The current segment crossed its budget (the applier calls this). The first time, a snapshot is asked
+        for, after the next call: at ``ASK_AT`` of its share, so the calls captured before it arrives fit in the
+        rest. If the two segments then outgrow ``max_bytes``, the older one goes (the window then starts at the
+        current snapshot): they hold at most ``max_bytes`` but for calls applied while that snapshot is on its
+        way."""
+        if segment is not self._current:
+            segment.budget = 1 << 62
+            return
+        if self._asked is not segment:
+            self._asked = segment
+            self.recorder.roll_soon()
+        if self._older is not None and self._older.nbytes + segment.nbytes > self.max_bytes:
+            self._older = None
+        segment.budget = 1 << 62 if self._older is None else self.max_bytes - self._older.nbytes
 
     def off(self, reason: str) -> None:
         """Stop recording (and forget the window): ``reason`` says why, in every bundle from now."""

@@ -530,6 +530,8 @@ class Recorder:
         # state (``_snapshot``).
         self.flight: Callable[[bytes], None] | None = None
         self.flight_segment: FlightSegment | None = None
+        self.flight_over: Callable[[FlightSegment], None] | None = None
+        """Called (applier side) when ``flight_segment`` crosses its budget (kvobs.flight.FlightWindow.over)."""
         self.flight_calls = False
         """Whether the taps capture the calls only the flight recorder needs (a store, a completion...)."""
         self._snapshot: Callable[[], bytes | None] | None = None
@@ -621,6 +623,7 @@ class Recorder:
         self.flight_calls = False
         self.flight = None
         self.flight_segment = None
+        self.flight_over = None
         self._snapshot = None
         self.flight_live = {}
         self._flight_segment = self._flight_left = _NEVER
@@ -710,10 +713,20 @@ class Recorder:
             if segment is not None and kind != _REMOVAL and kind != _EVICTED:
                 try:
                     if segment.add(item):
-                        self._flight_left = 0  # over its budget: snapshot after the next call
+                        self._flight_over(segment)
                 except Exception as exc:
                     self.on_error("flight", exc)
         return done
+
+    def _flight_over(self, segment: FlightSegment) -> None:
+        """``segment`` crossed its budget: the flight recorder's window decides (``flight_over``: a snapshot
+        after the next call, then the older segment dropped), else a snapshot after the next call."""
+        over = self.flight_over
+        if over is None:
+            self._flight_left = 0
+            segment.budget = _NEVER
+        else:
+            over(segment)
 
     def _apply_flat(self) -> None:
         items, keys = self.flight_items, self.flight_keys
@@ -725,7 +738,7 @@ class Recorder:
             taken = [keys.popleft() for _ in range(count)]
             segment = self.flight_segment
             if segment is not None and segment.add_flat(method, req_id, outcome, taken):
-                self._flight_left = 0  # over its budget: snapshot after the next call
+                self._flight_over(segment)
         except Exception as exc:
             self.on_error("flight", exc)
 
