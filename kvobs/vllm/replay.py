@@ -27,7 +27,7 @@ from kvobs.flight import Encoded, decode_indices, read_header, read_window
 from kvobs.vllm import compat
 from kvobs.vllm.flight_recorder import FAILED
 
-_ALLOWED: dict[str, set[str] | None] = {
+_ALLOWED: dict[str, set[str]] = {
     "builtins": {"bytes", "bytearray", "dict", "frozenset", "int", "list", "set", "slice", "str",
                  "tuple", "float", "bool", "complex", "range", "object", "type"},
     "collections": {"OrderedDict", "deque", "defaultdict"},
@@ -43,16 +43,13 @@ class ReplayError(Exception):
 
 class _VllmOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED.get(module, set())
-        if module == "vllm" or module.startswith("vllm.") or (allowed is not None and name in allowed):
+        if module == "vllm" or module.startswith("vllm.") or name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise ReplayError(f"the bundle names {module}.{name}, which is not one of vLLM's classes: refused")
 
 
 def _loads(blob: bytes) -> Any:
     return _VllmOnly(io.BytesIO(blob)).load()
-
-
 
 
 @dataclass
@@ -110,10 +107,6 @@ class Outcome:
                 and self.message == failure.get("vllm_message"))
 
 
-def _answer(result: Any) -> Any:
-    return result if result is None or isinstance(result, bool) else str(result)
-
-
 def replay(bundle: Bundle, indices: Sequence[int] | None = None) -> Outcome:
     """Make the bundle's calls (``indices`` of them, in order; all by default) on a manager unpickled from its
     snapshot; stop at the first exception."""
@@ -128,7 +121,7 @@ def replay(bundle: Bundle, indices: Sequence[int] | None = None) -> Outcome:
         except Exception as exc:
             outcome.raised_at, outcome.exception, outcome.message = position, type(exc).__name__, str(exc)
             return outcome
-        answer = _answer(result) if method == "lookup" else result is not None if method == "prepare_store" else True
+        answer = str(result) if method == "lookup" else result is not None if method == "prepare_store" else True
         if recorded is not None and recorded != FAILED and answer != recorded:
             outcome.diverged.append((position, f"{method} answered {answer!r}, recorded {recorded!r}"))
     return outcome
@@ -178,7 +171,7 @@ def minimize(bundle: Bundle, budget_s: float = 120.0,
     def fails(candidate: list[int]) -> bool:
         order = sorted(set(candidate) | pin)
         outcome = replay(bundle, order)
-        pinned_positions = {order.index(i) for i in pin}
+        pinned_positions = {position for position, i in enumerate(order) if i in pin}
         return outcome.reproduces(bundle) and not any(p in pinned_positions for p, _ in outcome.diverged)
 
     items = [i for i in range(len(bundle.calls)) if i not in pin]
@@ -191,7 +184,8 @@ def minimize(bundle: Bundle, budget_s: float = 120.0,
         chunks = [items[i:i + size] for i in range(0, len(items), size)]
         reduced = False
         for chunk in chunks:  # try without each chunk (ddmin's complement step)
-            rest = [i for i in items if i not in set(chunk)]
+            dropped = set(chunk)
+            rest = [i for i in items if i not in dropped]
             if fails(rest):
                 items, parts, reduced = rest, max(parts - 1, 2), True
                 break
