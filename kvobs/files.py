@@ -45,3 +45,10 @@ def write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def keep_newest(paths_newest_first: list[Path], keep: int) -> None:
+    """Delete all but the first ``keep`` of ``paths_newest_first`` (another writer may have deleted some)."""
+    for stale in paths_newest_first[keep:]:
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()

@@ -18,29 +18,14 @@ kvobs.vllm.compat.CALL_ARGS.
 
 from __future__ import annotations
 
-import io
-import json
 import time
-import zipfile
 from array import array
-from pathlib import Path
 from typing import Any
 
-from kvobs.files import write_durably
 from kvobs.hot_path_loader import FlightSegment
 
 ASK_AT = 0.8
 """A segment asks for the next snapshot at this share of its budget (kvobs.flight.FlightWindow.over)."""
-MAX_BUNDLES = 4
-"""Replay bundles kept in ``<dir>/replay/`` (all engines together; the oldest deleted), each at most
-``flight_bytes``: kvobs.journal.disk_bound counts them."""
-BUNDLE_DIR = "replay"
-BUNDLE_SUFFIX = ".kvobs-replay.zip"
-BUNDLE_FORMAT = 1
-HEADER = "bundle.json"
-WINDOW = "window.pickle"
-
-
 Encoded = tuple[str, tuple[tuple[str, Any], ...], "bytes | None", Any]
 """A call in a bundle: its method; each argument as ``("k", i)`` (key ``i`` of the bundle's key table),
 ``("K", bytes)`` (the indices of several, ``array("I")`` bytes), ``("r", req_id)`` (a request),
@@ -160,40 +145,3 @@ def decode_indices(packed: bytes) -> list[int]:
     out = array("I")
     out.frombytes(packed)
     return out.tolist()
-
-
-def write_bundle(path: str, header: dict[str, Any], window: bytes | None) -> int:
-    """Write a bundle: ``bundle.json`` (what a person reads) and ``window.pickle`` (the state and calls a
-    replay makes); its size in bytes. Whole or not at all, private (0600), durable (kvobs.files)."""
-    header = {"format": BUNDLE_FORMAT, **header}
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as bundle:
-        bundle.writestr(HEADER, json.dumps(header, indent=2, sort_keys=True, default=str))
-        if window is not None:
-            bundle.writestr(WINDOW, window)
-    data = buffer.getvalue()
-    write_durably(Path(path), data)
-    return len(data)
-
-
-def read_header(path: str) -> dict[str, Any]:
-    """A bundle's ``bundle.json``; raises ValueError naming what is wrong with the file."""
-    try:
-        with zipfile.ZipFile(path) as bundle:
-            header = json.loads(bundle.read(HEADER))
-    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise ValueError(f"{path}: not a kvobs replay bundle ({exc})") from exc
-    if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT:
-        raise ValueError(f"{path}: bundle format {header.get('format') if isinstance(header, dict) else '?'!r}, "
-                         f"this kvobs reads format {BUNDLE_FORMAT}")
-    return header
-
-
-def read_window(path: str) -> bytes:
-    """A bundle's ``window.pickle`` (raises ValueError if it has none: its header says why)."""
-    with zipfile.ZipFile(path) as bundle:
-        try:
-            return bundle.read(WINDOW)
-        except KeyError:
-            raise ValueError(f"{path}: the bundle holds no window to replay") from None
-

@@ -34,12 +34,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvobs.files import private_dir, write_all, write_durably
-from kvobs.flight import MAX_BUNDLES
+from kvobs.bundles import BUNDLE_FOLDERS, MAX_BUNDLES, MAX_HEADER_BYTES
+from kvobs.files import keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
 from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
@@ -73,7 +73,8 @@ def disk_bound(options: Options, engines: int = 1) -> int:
     of times) with these options: size an ``emptyDir`` or a volume with it."""
     segment = options.journal_bytes // KEEP_SEGMENTS + MAX_LINE_BYTES  # a segment rolls after its last line
     per_engine = KEEP_SEGMENTS * segment * (1 + options.journal_processes)
-    bundles = MAX_BUNDLES * options.flight_bytes if options.flight_calls > 0 else 0  # kvobs/flight.py
+    window = options.flight_bytes if options.flight_calls > 0 else 0  # kvobs/bundles.py (headers: requested ones too)
+    bundles = len(BUNDLE_FOLDERS) * MAX_BUNDLES * (window + MAX_HEADER_BYTES)
     return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES + bundles
 
 
@@ -297,10 +298,7 @@ class JournalFiles:
         self._prune_reports()
 
     def _prune_reports(self) -> None:
-        reports = report_files(self.failures_dir)  # newest first; only kvobs's own (the readers' rule)
-        for stale in reports[self.max_reports :]:
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+        keep_newest(report_files(self.failures_dir), self.max_reports)  # only kvobs's own (the readers' rule)
 
 
 class JournalSink(Sink):
@@ -328,6 +326,9 @@ class JournalSink(Sink):
         self.writer_cpu_s = 0.0
         """CPU seconds the writer thread has spent (the overhead benchmark adds it to the engine's)."""
         self._closed = threading.Event()
+        self.between_flushes: Callable[[], None] | None = None
+        """Called by the writer thread after each flush (kvobs.replay_requests.Answerer.poll: on-demand replay
+        bundles are written here, off the scheduler thread); its faults count under stage "flight"."""
         from kvobs import __version__
 
         self._enqueue(("line", encode_hello(
@@ -373,6 +374,11 @@ class JournalSink(Sink):
                 self.flush()
             except Exception as exc:  # never kill the thread; counted
                 self.fault("journal", exc)
+            if self.between_flushes is not None:
+                try:
+                    self.between_flushes()
+                except Exception as exc:
+                    self.fault("flight", exc)
             self.writer_cpu_s += time.thread_time() - started
 
     def on_snapshot(self, snapshot: Snapshot) -> None:

@@ -1,4 +1,6 @@
-"""The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures. Nothing changes state.
+"""The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures, /api/v1/replays; one POST,
+/api/v1/replays, which asks the engines for replay bundles (kvobs/sidecar/replays.py says how). Nothing
+else changes state.
 
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
 gzip-compressed when its ``Accept-Encoding`` takes gzip (Prometheus's scraper sends that).
@@ -35,8 +37,8 @@ all optional; ``engine``, ``model_name`` and ``cause`` may repeat (any of the va
 * ``since``: unix seconds (a float); reports at or after it;
 * ``before``: a report ``id``; reports older than it (the paging cursor).
 
-With a bearer token (``kvobs serve --token-file``), /api/v1/failures answers 401 to a request
-without ``Authorization: Bearer <token>``: the reports carry request ids. /metrics, /healthz and
+With a bearer token (``kvobs serve --token-file``), /api/v1/failures and /api/v1/replays answer 401 to
+a request without ``Authorization: Bearer <token>``: the reports and bundles carry request ids. /metrics, /healthz and
 /livez stay open to the scraper and the kubelet.
 
 ``next`` is the relative URL of the next page (the same filters, ``before`` the last id
@@ -60,6 +62,9 @@ import gzip
 import hmac
 import io
 import json
+import math
+import os
+import shutil
 import socket
 import threading
 import time
@@ -75,9 +80,12 @@ from prometheus_client import CollectorRegistry, GCCollector, Metric, PlatformCo
 from prometheus_client.exposition import choose_encoder
 
 from kvobs.codes import BUCKETS
+from kvobs.replay_requests import TooSoon
+from kvobs.sidecar import replays
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.query import DEFAULT_FAILURES, FAILURES_PATH, QueryError, parse_params
+from kvobs.sidecar.replays import REPLAYS_PATH
 from kvobs.wire.decode import Report, read_report, report_files
 from kvobs.wire.format import FAILURES_DIR, REPORT_ID, REPORT_SUFFIX, report_time_ms
 
@@ -416,11 +424,65 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no report {report_id[:200]!r} (ids: /api/v1/failures)"})
             else:
                 self._json(HTTPStatus.OK, served)
+        elif url.path == REPLAYS_PATH:
+            if self._authorized():
+                self._json(HTTPStatus.OK, replays.listing(self.server.ingest.dir))
+        elif url.path.startswith(REPLAYS_PATH + "/"):
+            if not self._authorized():
+                return
+            bundle_id = url.path[len(REPLAYS_PATH) + 1:]
+            path = replays.bundle_path(self.server.ingest.dir, bundle_id)
+            if path is None or not self._send_file(path, "application/zip"):
+                self._json(HTTPStatus.NOT_FOUND, {"error": f"no bundle {bundle_id[:200]!r} (ids: {REPLAYS_PATH})"})
         elif url.path == "/":
             self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures",
-                                                     "/api/v1/failures/<id>"]})
+                                                     "/api/v1/failures/<id>", REPLAYS_PATH, "POST " + REPLAYS_PATH,
+                                                     REPLAYS_PATH + "/<id>"]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
+
+    def _send_file(self, path: Path, content_type: str) -> bool:
+        """Stream a file (a bundle can be as large as ``flight_bytes``); False if it cannot be opened."""
+        try:
+            file = open(path, "rb")  # noqa: SIM115 (closed below, after the headers are chosen)
+        except OSError:
+            return False
+        with file:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(os.fstat(file.fileno()).st_size))
+            self.send_header("Content-Disposition", f'attachment; filename="{path.name}"')
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            if self.command != "HEAD":
+                shutil.copyfileobj(file, self.wfile)
+        return True
+
+    def do_POST(self) -> None:
+        """Only ``POST /api/v1/replays`` (kvobs/sidecar/replays.py); a body, if any, is not read."""
+        url = urlsplit(self.path)
+        if url.path != REPLAYS_PATH:
+            self._refuse()
+            return
+        self.close_connection = True  # the body (none is expected) is not read
+        if not self._authorized():
+            return
+        try:
+            made = replays.request(self.server.ingest.dir, url.query)
+        except replays.RequestError as exc:
+            self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
+        except TooSoon as exc:
+            body = json.dumps({"error": str(exc), "retry_after_s": exc.retry_after}).encode()
+            self.send_response(HTTPStatus.TOO_MANY_REQUESTS)
+            self.send_header("Retry-After", str(math.ceil(exc.retry_after)))
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError as exc:  # a read-only or full directory
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"cannot leave the request: {exc}"})
+        else:
+            self._json(HTTPStatus.ACCEPTED, made)
 
     def _authorized(self) -> bool:
         """True without a token, or with ``Authorization: Bearer <token>``; else answers 401 itself."""
@@ -445,13 +507,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _refuse(self) -> None:
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Allow", "GET, HEAD, POST" if urlsplit(self.path).path == REPLAYS_PATH else "GET, HEAD")
         self.send_header("Content-Length", "0")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _refuse
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _refuse
 
 
 class ListenError(OSError):

@@ -24,11 +24,13 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
         options = dataclasses.replace(options, engine="0")
     cpu = compat.cpu_tier_of(manager)
     observer = Observer(options, num_stamps=0 if cpu is None else compat.num_chunks(cpu))
+    journal = None
     if options.dir is not None:
         from kvobs.journal import JournalSink
 
         try:
-            observer.add_sink(JournalSink(options.dir, observer.options, compat.VLLM_VERSION))
+            journal = JournalSink(options.dir, observer.options, compat.VLLM_VERSION)
+            observer.add_sink(journal)
         except OSError as exc:  # an unusable directory must not stop the engine: counted, logged, in-process only
             observer.internal_error("journal", exc)
     from kvobs.tracing import TracingSink
@@ -36,7 +38,7 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
     observer.add_sink(TracingSink(options.tracer_provider, options.engine, options.model_name))
     if cpu is not None:
         compat.hook_policy(cpu, observer.recorder, stamp_inserts=observer.recorder.keep_residency)
-    from kvobs.vllm.flight_recorder import start
+    from kvobs.vllm.flight_recorder import answer_requests, start
 
     try:
         start(manager, observer)
@@ -44,4 +46,6 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
         observer.recorder.flight_off()
         observer.flight_off_reason = f"it failed to start: {exc!r}"
         observer.internal_error("flight", exc)
+    if journal is not None:
+        answer_requests(manager, observer, journal)
     return observer

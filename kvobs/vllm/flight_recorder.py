@@ -15,16 +15,20 @@ import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvobs import __version__
-from kvobs.files import private_dir
-from kvobs.flight import BUNDLE_DIR, BUNDLE_SUFFIX, MAX_BUNDLES, FlightWindow, write_bundle as write_bundle_file
+from kvobs.bundles import BUNDLE_DIR, REQUESTED_DIR, keep_bundles, new_bundle, write_bundle as write_bundle_file
+from kvobs.flight import FlightWindow
 from kvobs.hot_path_loader import CALL
 from kvobs.observer import Observer
+from kvobs.replay_requests import Answerer, Request
 from kvobs.vllm import compat
+
+if TYPE_CHECKING:
+    from kvobs.journal import JournalSink
 
 FAILED = "AssertionError"
 """The answer recorded for the load that failed (kvobs.vllm.replay compares against it)."""
@@ -105,6 +109,7 @@ def write_bundle(
     observer: Observer,
     failure: dict[str, Any] | None = None,
     failing_call: tuple[Collection[bytes], Any] | None = None,
+    requested: str | None = None,
 ) -> int:
     """Write ``manager``'s flight window to ``path`` (with the failed load, when there is one); its size.
     The window is read with every capture applied (``Observer.applied``). A window over ``flight_bytes`` is
@@ -131,7 +136,39 @@ def write_bundle(
     }
     if failure is not None:
         header["failure"] = failure
+    if requested is not None:
+        header["requested"] = requested  # the sidecar's request it answers (kvobs/replay_requests.py)
     return write_bundle_file(str(path), header, blob)
+
+
+def _bundle_in_dir(
+    manager: OffloadingManager, observer: Observer, failure: dict[str, Any] | None = None,
+    failing_call: tuple[Collection[bytes], Any] | None = None, requested: str | None = None,
+) -> tuple[Path, int]:
+    """A bundle in ``<dir>/replay/`` (``replay/requested/`` when the sidecar asked for it; the oldest beyond
+    ``MAX_BUNDLES`` there deleted): its path and size."""
+    global _sequence
+    with _sequence_lock:
+        _sequence += 1
+        sequence = _sequence
+    folder = Path(str(observer.options.dir)) / BUNDLE_DIR
+    if requested is not None:
+        folder = folder / REQUESTED_DIR
+    path = new_bundle(folder, observer.options.engine or "0", os.getpid(), sequence)
+    size = write_bundle(path, manager, observer, failure, failing_call, requested)
+    keep_bundles(folder)
+    return path, size
+
+
+def answer_requests(manager: OffloadingManager, observer: Observer, journal: JournalSink) -> None:
+    """Answer the sidecar's requests for bundles (``POST /api/v1/replays``: kvobs/replay_requests.py) from
+    ``journal``'s writer thread: a bundle per request, written as at a failure but with no failure in it
+    (and without a window, its header saying why, when the recorder is off)."""
+    def answer(request: Request) -> None:
+        path, size = _bundle_in_dir(manager, observer, requested=request.id)
+        logger.info("kvobs: replay bundle requested through the sidecar: %s (%d bytes)", path, size)
+
+    journal.between_flushes = Answerer(str(observer.options.dir), observer.options.engine or "0", answer).poll
 
 
 def bundle_on_failure(
@@ -151,18 +188,9 @@ def bundle_on_failure(
         if last is not None and now - last < SURVIVED_BUNDLE_EVERY_S:
             return None
     observer.last_bundle_at = now
-    global _sequence
-    with _sequence_lock:
-        _sequence += 1
-        sequence = _sequence
-    folder = private_dir(Path(observer.options.dir) / BUNDLE_DIR)
-    name = f"{int(time.time() * 1000):015d}-{observer.options.engine}-{os.getpid()}-{sequence}{BUNDLE_SUFFIX}"
-    path = folder / name
     failure = {"method": "prepare_load", "req_id": req_context.req_id, "vllm_message": vllm_message,
                "message": message, "cause": cause, "recomputed": recomputed}
-    size = write_bundle(path, manager, observer, failure, (list(keys), req_context))
-    for stale in sorted(folder.glob(f"*{BUNDLE_SUFFIX}"), reverse=True)[MAX_BUNDLES:]:
-        stale.unlink(missing_ok=True)
+    path, size = _bundle_in_dir(manager, observer, failure, (list(keys), req_context))
     if not recomputed:
         window = observer.flight
         why_not = observer.flight_off_reason if window is None else window.off_reason

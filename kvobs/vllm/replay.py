@@ -23,7 +23,8 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import ReqContext
 
-from kvobs.flight import Encoded, decode_indices, read_header, read_window
+from kvobs.bundles import read_header, read_window
+from kvobs.flight import Encoded, decode_indices
 from kvobs.vllm import compat
 from kvobs.vllm.flight_recorder import FAILED
 

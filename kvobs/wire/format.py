@@ -134,12 +134,13 @@ OBSERVING_REASONS = ("ok", "unsupported_vllm", "error")
 # -- file names, built and parsed ------------------------------------------------------------
 
 
-def report_name(wall_time: float, engine: str, pid: int, n: int, after_ms: int = -1) -> str:
-    """The file name of a failure report: its millisecond wall time first, so names sort by time; or
-    ``after_ms + 1`` (``after_ms``: the newest report's time in the directory) when the wall time is
-    not later, the clock having been stepped back: names then still sort in the order the reports were
-    written, and pruning by name drops the oldest, not the one being written (issue 31, class 2)."""
-    return f"{max(int(wall_time * 1000), after_ms + 1):015d}-{engine}-{pid}-{n}.json"
+def report_name(wall_time: float, engine: str, pid: int, n: int, after_ms: int = -1, suffix: str = ".json") -> str:
+    """The file name of a failure report (or, with its ``suffix``, of a replay bundle: kvobs/bundles.py): its
+    millisecond wall time first, so names sort by time; or ``after_ms + 1`` (``after_ms``: the newest
+    report's time in the directory) when the wall time is not later, the clock having been stepped back:
+    names then still sort in the order the reports were written, and pruning by name drops the oldest, not
+    the one being written (issue 31, class 2). Its stem matches :data:`REPORT_ID`."""
+    return f"{max(int(wall_time * 1000), after_ms + 1):015d}-{engine}-{pid}-{n}{suffix}"
 
 
 

@@ -13,9 +13,9 @@ import subprocess
 import urllib.error
 from pathlib import Path
 
+from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
 from kvobs.demo.engine import documents, offload_config
-from kvobs.flight import BUNDLE_DIR, BUNDLE_SUFFIX
 from tests.support.engines import ROOT, SERVED, serve
 from tests.support.services import wait_for
 

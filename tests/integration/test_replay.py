@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 
+from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.cli import main as kvobs_main
 from kvobs.vllm import ObservedOffloadingManager
-from kvobs.vllm.flight_recorder import BUNDLE_DIR, BUNDLE_SUFFIX, write_bundle
+from kvobs.vllm.flight_recorder import write_bundle
 from kvobs.vllm.replay import ReplayError, load, minimize, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
 from tests.support.vllm_env import cpu_extra, key, tiering_extra
