@@ -15,6 +15,7 @@ only when both sides did the same work. Threads are pinned: the worker's OpenMP 
 (``VLLM_CPU_OMP_THREADS_BIND``), the API server and EngineCore on the other cores (``taskset``).
 
 Usage: python -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python [--runs 7] [--json F]
+[--attribute] [--flight]
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("bare", "kvobs", "kvobs+journal")
+FLIGHT_SIDE = "kvobs+journal+flight"
+"""With ``--flight``: the journal and the flight recorder (``flight_calls`` ``FLIGHT_CALLS``), as a user who
+wants replay bundles runs it (README, "Replay a failure")."""
+FLIGHT_CALLS = 50_000
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 BENCH_CPU_TIER_BYTES = 3_000_000  # the CPU tier of docs/performance.md section 4's figures (more evictions)
 
@@ -66,6 +71,8 @@ def start(side: str, python: Path, model: Path, base: Path, *, attribute: bool =
     kvobs: dict[str, Any] | None = None if side == "bare" else {}
     if side == "kvobs+journal":
         kvobs = {"dir": str(base / "kvobs")}
+    elif side == FLIGHT_SIDE:
+        kvobs = {"dir": str(base / "kvobs-flight"), "flight_calls": FLIGHT_CALLS}
     cores = sorted(os.sched_getaffinity(0))
     taskset = shutil.which("taskset")
     launcher = ("taskset", "-c", ",".join(map(str, cores[1:]))) if len(cores) > 1 and taskset else ()
@@ -122,8 +129,10 @@ def main() -> int:
     parser.add_argument("--engine-python", type=Path, required=True, help="python of a vllm-cpu venv")
     parser.add_argument("--attribute", action="store_true",
                         help="kvobs's share inside each kvobs engine (benchmarks/engine_attribution.py), no A/B")
+    parser.add_argument("--flight", action="store_true",
+                        help=f"one more side: the journal and the flight recorder ({FLIGHT_SIDE})")
     args = parser.parse_args()
-    sides = SIDES[1:] if args.attribute else SIDES
+    sides = (SIDES[1:] if args.attribute else SIDES) + ((FLIGHT_SIDE,) if args.flight else ())
     runs = args.runs or (1 if args.quick else 7)
     base = Path(tempfile.mkdtemp(prefix="kvobs-engine-bench-"))
     build = subprocess.run([str(args.engine_python), "-m", "kvobs.demo.tiny_model", str(base / "model"), "llama"],
@@ -189,7 +198,7 @@ def summarize(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     bare = results["bare"]
     rows: list[tuple[Any, ...]] = []
     summary: dict[str, Any] = {}
-    for side in SIDES[1:]:
+    for side in [s for s in results if s != "bare"]:
         pairs = [(o, b) for o, b in zip(results[side], bare, strict=True) if same_work(o, b)]
         entry: dict[str, Any] = {"pairs": len(bare), "pairs_with_equal_work": len(pairs)}
         for metric in ("tokens_per_s", "scheduler_cpu_us_per_step", "engine_core_cpu_s"):
