@@ -138,6 +138,11 @@ class Method(NamedTuple):
     ``on_reset_flushed``, ``config_info``: 0.33 and later; ``touch``: up to 0.33), an instance
     attribute only, set when the inner manager has it, so the wrapper has exactly the inner
     manager's methods."""
+    recorded: tuple[str, ...] | None = None
+    """For the flight recorder (kvobs/flight.py), what each positional argument is in every release: a key
+    (``key``), a collection of keys (``keys``), a request context (``req``) or something else (``""``, kept
+    as it is). None: a call that changes no state, not recorded. A ``pass`` row with it is tapped while the
+    recorder is on (:data:`FLIGHT_PASS`)."""
 
 
 STORED_FIELD = "keys_to_store"
@@ -147,20 +152,20 @@ STORED_FIELD = "keys_to_store"
 TAP_KINDS = ("pass", "lookup", "load", "store", "keys", "request", "call", "shutdown")
 
 PROTOCOL: tuple[Method, ...] = (
-    Method("lookup", "lookup", "lookup", (b"", None), ("exclude_tier_idx",)),
+    Method("lookup", "lookup", "lookup", (b"", None), ("exclude_tier_idx",), recorded=("key", "req")),
     Method("get_load_source", "pass", None, None, everywhere=False),
-    Method("prepare_load", "load", None, ((), None)),
-    Method("touch", "pass", None, None, everywhere=False),
-    Method("complete_load", "pass", None, None),
-    Method("prepare_store", "store", "store", ((), None)),
-    Method("complete_store", "keys", "complete_store", ((), None, True)),
-    Method("on_new_request", "pass", None, None),
-    Method("on_request_finished", "request", "schedule_end", (None,), ("exclude_tier_idx",)),
+    Method("prepare_load", "load", None, ((), None), recorded=("keys", "req")),
+    Method("touch", "pass", None, None, everywhere=False, recorded=("keys", "req")),
+    Method("complete_load", "pass", None, None, recorded=("keys", "req")),
+    Method("prepare_store", "store", "store", ((), None), recorded=("keys", "req")),
+    Method("complete_store", "keys", "complete_store", ((), None, True), recorded=("keys", "req", "")),
+    Method("on_new_request", "pass", None, None, recorded=("req",)),
+    Method("on_request_finished", "request", "schedule_end", (None,), ("exclude_tier_idx",), recorded=("req",)),
     Method("take_events", "pass", None, ()),
-    Method("on_schedule_end", "call", "schedule_end", (None,)),
+    Method("on_schedule_end", "call", "schedule_end", (None,), recorded=("",)),
     Method("has_pending_work", "pass", None, ()),
-    Method("reset_cache", "call", "reset", ()),
-    Method("on_reset_flushed", "pass", None, None, everywhere=False),
+    Method("reset_cache", "call", "reset", (), recorded=()),
+    Method("on_reset_flushed", "pass", None, None, everywhere=False, recorded=()),
     Method("get_stats", "pass", None, ()),  # kvobs's counters added with the vllm_metrics option
     Method("config_info", "pass", None, None, everywhere=False),
     Method("shutdown", "shutdown", None, None),
@@ -169,25 +174,12 @@ PROTOCOL: tuple[Method, ...] = (
 order: the one place kvobs writes the manager protocol down. ``kvobs.vllm.manager`` builds the
 wrapper's taps and class methods from it; :func:`check` checks it against vLLM's abstract methods and
 binds the tapped call shapes. A method vLLM adds is one row here."""
-FLIGHT_PASS = ("on_new_request", "complete_load", "touch", "on_reset_flushed")
+CALL_ARGS: dict[str, tuple[str, ...]] = {row.name: row.recorded for row in PROTOCOL if row.recorded is not None}
+"""The calls the flight recorder keeps and what each argument is (``Method.recorded``); kvobs/flight.py
+encodes a window's keys and requests by it, kvobs.vllm.replay decodes it."""
+FLIGHT_PASS = tuple(row.name for row in PROTOCOL if row.tap == "pass" and row.recorded is not None)
 """Methods kvobs otherwise passes through that change the manager's state: with the flight recorder on
-(kvobs/flight.py) they are tapped too, so a replay makes every call the manager saw."""
-CALL_ARGS: dict[str, tuple[str, ...]] = {
-    "lookup": ("key", "req"),
-    "prepare_load": ("keys", "req"),
-    "complete_load": ("keys", "req"),
-    "touch": ("keys", "req"),
-    "prepare_store": ("keys", "req"),
-    "complete_store": ("keys", "req", ""),
-    "on_new_request": ("req",),
-    "on_request_finished": ("req",),
-    "on_schedule_end": ("",),
-    "reset_cache": (),
-    "on_reset_flushed": (),
-}
-"""What each positional argument of a call the flight recorder keeps is (every release 0.30-0.34): a key, a
-collection of keys, a request context, or something else ("", kept as it is); kvobs/flight.py encodes a
-window's keys and requests by it, kvobs.vllm.replay decodes it."""
+they are tapped too, so a replay makes every call the manager saw."""
 PROTOCOL_BY_NAME: dict[str, Method] = {row.name: row for row in PROTOCOL}
 
 
