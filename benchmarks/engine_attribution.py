@@ -126,14 +126,17 @@ def install() -> int:
     from kvobs.vllm import compat, manager
 
     build_taps, hook_policy = manager._taps, compat.hook_policy
-    tapped = [row.name for row in compat.PROTOCOL if row.tap not in ("pass", "shutdown")]
+    # The passed-through methods the flight recorder taps while it is on (compat.FLIGHT_PASS) too: timed as
+    # kvobs's when kvobs put a tap there, else left as vLLM's own timed method.
+    tapped = [row.name for row in compat.PROTOCOL if row.tap not in ("pass", "shutdown")] + list(compat.FLIGHT_PASS)
 
     def timed_taps(inner: Any, observer: Any, load_failed: Callable[..., None]) -> dict[str, Any]:
         names = [name for name in tapped if hasattr(inner, name)]
         for name in names:
             setattr(inner, name, Timed(VLLM, getattr(inner, name)))
         taps = build_taps(inner, observer, load_failed)
-        return {name: Timed(KVOBS, tap) if name in names else tap for name, tap in taps.items()}
+        return {name: Timed(KVOBS, tap) if name in names and tap is not getattr(inner, name) else tap
+                for name, tap in taps.items()}
 
     def timed_hook_policy(cpu: Any, recorder: Any, *, stamp_inserts: bool) -> None:
         policy = compat.policy_of(cpu)
