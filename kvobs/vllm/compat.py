@@ -360,6 +360,18 @@ def _instance_names(obj: Any) -> tuple[str, ...]:
     return names
 
 
+_METHOD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _method_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s plain methods (functions on the class or its bases)."""
+    found = _METHOD_NAMES.get(cls)
+    if found is None:
+        found = _METHOD_NAMES[cls] = tuple(name for name in dir(cls) if not name.startswith("__")
+                                           and inspect.isfunction(inspect.getattr_static(cls, name)))
+    return found
+
+
 def _live_state(obj: Any) -> dict[str, Any]:
     """``obj``'s instance attributes, read without ever reading its ``__dict__``: that would make CPython 3.11
     give the live object a real dict, and every attribute access of vLLM's code on it run unspecialised from
@@ -368,12 +380,13 @@ def _live_state(obj: Any) -> dict[str, Any]:
     ``__init__``) raises ProtocolMismatch, so no snapshot misses state."""
     import gc
 
-    from kvobs.hot_path_loader import PolicyTap
-
     names = _instance_names(obj)
     state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
-    # kvobs's own taps (hook_policy's instance attributes) are no state of vLLM's: left out
-    referents = [r for r in gc.get_referents(obj) if r is not type(obj) and not isinstance(r, PolicyTap)]
+    # An instance attribute in place of one of the class's methods wraps it (kvobs's own policy taps,
+    # hook_policy's; a profiler's timer): behaviour, not state of vLLM's, so left out.
+    stand_ins = {id(value) for value in (getattr(obj, name) for name in _method_names(type(obj)))
+                 if getattr(value, "__self__", None) is not obj}
+    referents = [r for r in gc.get_referents(obj) if r is not type(obj) and id(r) not in stand_ins]
     if len(referents) == 1 and isinstance(referents[0], dict) and set(referents[0]) >= set(state):
         return dict(referents[0])  # its __dict__ is a real one already (something read it): nothing to spare
     if len(referents) != len(state):

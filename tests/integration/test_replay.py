@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 
+import kvobs
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.cli import main as kvobs_main
 from kvobs.vllm import ObservedOffloadingManager
 from kvobs.vllm.flight_recorder import write_bundle
 from kvobs.vllm.replay import ReplayError, load, minimize, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
-from tests.support.vllm_env import cpu_extra, key, tiering_extra
+from tests.support.vllm_env import cpu_extra, create_manager, key, tiering_extra
 
 
 def noise(m: OffloadingManager, rounds: int, first: int = 5000) -> None:
@@ -232,3 +233,27 @@ def test_a_window_over_its_budget_snapshots_sooner_and_stays_bounded(managers: l
     assert window.nbytes <= 2**20
     path_calls = window.calls
     assert 0 < path_calls < 5_000 * 7
+
+
+def test_a_wrapped_method_is_no_state_but_an_attribute_vllm_does_not_set_turns_the_recorder_off(
+    managers: list, tmp_path: Path
+) -> None:
+    inner = create_manager(cpu_extra(4))
+    lookup, evict = inner.lookup, inner._policy.evict
+    inner.lookup = lambda *args, **kwargs: lookup(*args, **kwargs)  # a profiler's timers in the methods' place
+    inner._policy.evict = lambda *args, **kwargs: evict(*args, **kwargs)
+    m = kvobs.observe(inner, dir=str(tmp_path), flight_calls=16)
+    managers.append(m)
+    assert m.observer.flight is not None, m.observer.flight_off_reason
+    noise(m, 6)
+    keys, a = evicted_after_lookup(m)
+    failed_load(m, keys, a)
+    bundle = load(str(next((tmp_path / BUNDLE_DIR).glob(f"*{BUNDLE_SUFFIX}"))))
+    assert replay(bundle).reproduces(bundle)
+
+    patched = create_manager(cpu_extra(4))
+    patched._policy.extra = {"state": "kvobs does not know"}  # state a snapshot would miss: no recorder
+    other = kvobs.observe(patched, flight_calls=16)
+    managers.append(other)
+    assert other.observer.flight is None
+    assert "LRUCachePolicy holds" in (other.observer.flight_off_reason or "")
