@@ -114,6 +114,8 @@ def attributed(delta: dict[str, int], wall_s: float, steps: int) -> dict[str, fl
     kvobs_ns = delta["kvobs_ns"] + delta["journal_cpu_ns"] + delta["applier_cpu_ns"]
     return {
         "kvobs_us_per_step": delta["kvobs_ns"] / 1e3 / steps,
+        # the observed manager's time on the scheduler thread: kvobs's taps and vLLM's manager under them
+        "manager_us_per_step": (delta["kvobs_ns"] + delta["vllm_ns"]) / 1e3 / steps,
         "timed_calls_per_step": delta["timed_calls"] / steps,
         "kvobs_share_of_scheduler": delta["kvobs_ns"] / max(delta["wall_ns"], 1),
         "journal_cpu_s": delta["journal_cpu_ns"] / 1e9,
@@ -171,8 +173,8 @@ def main() -> int:
     return 0
 
 
-SHARES = ("kvobs_us_per_step", "timed_calls_per_step", "kvobs_share_of_scheduler", "journal_cpu_s",
-          "applier_cpu_s", "kvobs_share_of_engine_core_cpu", "throughput_cost_bound")
+SHARES = ("kvobs_us_per_step", "manager_us_per_step", "timed_calls_per_step", "kvobs_share_of_scheduler",
+          "journal_cpu_s", "applier_cpu_s", "kvobs_share_of_engine_core_cpu", "throughput_cost_bound")
 
 
 def summarize_shares(results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
