@@ -173,7 +173,8 @@ def test_requested_bundles_never_push_out_a_failures(managers: list, sidecar: Si
     store(m, [key(78 + i) for i in range(4)], ctx(m, "evicts"))  # four chunks: k is evicted after its lookup
     failed_load(m, [k], a)
     now = time.time()
-    made = [make_request(sidecar.dir, None, now=now - 11 * back) for back in range(5, 0, -1)]  # 11 s apart
+    # Five requests as if made a second more than REQUEST_EVERY_S apart, the newest now (all within REQUEST_TTL_S).
+    made = [make_request(sidecar.dir, None, now=now - (REQUEST_EVERY_S + 1) * back) for back in range(4, -1, -1)]
     wait_for(lambda: {b["requested"] for b in bundles(sidecar)["bundles"]} >= {r.id for r in made[1:]},
              what="a bundle for each of the requests", timeout=20)
     listing = bundles(sidecar)["bundles"]
