@@ -9,6 +9,7 @@ makes: kvobs/flight.py).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -21,16 +22,19 @@ from kvobs.files import keep_newest, private_dir, write_durably
 from kvobs.wire.format import REPORT_ID, report_name, report_time_ms
 
 MAX_BUNDLES = 4
-"""Replay bundles kept in each of ``BUNDLE_FOLDERS`` (all engines together; the oldest deleted), each at most
-``flight_bytes`` and ``MAX_HEADER_BYTES``: kvobs.journal.disk_bound counts them."""
+"""Replay bundles kept: of failures, all engines together; of requests, each engine's (the oldest deleted);
+each at most ``flight_bytes`` and ``MAX_HEADER_BYTES``: kvobs.journal.disk_bound counts them."""
 MAX_HEADER_BYTES = 64 * 2**10
 """A bundle's ``bundle.json`` at most (a bundle without a window is only that): kvobs.journal.disk_bound."""
 BUNDLE_DIR = "replay"
 """Under ``<dir>``: the bundles of failed loads."""
 REQUESTED_DIR = "requested"
 """Under ``<dir>/replay/``: the bundles the sidecar asked for (kvobs/replay_requests.py), kept apart, so that
-asking for bundles never pushes out a failure's: each folder keeps its newest ``MAX_BUNDLES``."""
+asking for bundles never pushes out a failure's: the failures' folder keeps its newest ``MAX_BUNDLES``, this
+one the newest ``MAX_BUNDLES`` of each engine."""
 BUNDLE_FOLDERS = (BUNDLE_DIR, f"{BUNDLE_DIR}/{REQUESTED_DIR}")
+STALE_TEMP_S = 60.0
+"""A bundle's temporary file older than this was left by a process that died writing it: deleted."""
 BUNDLE_SUFFIX = ".kvobs-replay.zip"
 BUNDLE_FORMAT = 1
 HEADER = "bundle.json"
@@ -56,9 +60,29 @@ def new_bundle(folder: Path, engine: str, pid: int, n: int) -> Path:
     return folder / report_name(time.time(), engine, pid, n, -1 if after is None else after, BUNDLE_SUFFIX)
 
 
-def keep_bundles(folder: Path) -> None:
-    """Delete all but the newest ``MAX_BUNDLES`` bundles of ``folder`` (every engine's together)."""
-    keep_newest(bundle_files(folder), MAX_BUNDLES)
+def bundle_engine(path: Path) -> str:
+    """The engine a bundle's name says wrote it (``<ms>-<engine>-<pid>-<n>``; an engine label may hold '-')."""
+    return path.name[: -len(BUNDLE_SUFFIX)][16:].rsplit("-", 2)[0]
+
+
+def keep_bundles(folder: Path, engine: str | None = None) -> None:
+    """Delete all but the newest ``MAX_BUNDLES`` bundles of ``folder``: every engine's together, or only
+    ``engine``'s (the requested ones: each engine answers every request, so each keeps its own); and any
+    temporary file a process died writing (older than ``STALE_TEMP_S``)."""
+    bundles = bundle_files(folder)
+    keep_newest(bundles if engine is None else [b for b in bundles if bundle_engine(b) == engine], MAX_BUNDLES)
+    remove_stale_temps(folder)
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete the temporary files of bundles a process died writing (kvobs.files.write_durably's names)."""
+    deadline = time.time() - STALE_TEMP_S
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith(".") and entry.name.endswith(f"{BUNDLE_SUFFIX}.tmp"):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                        os.unlink(entry.path)
 
 
 def _fitted(value: Any, limit: int) -> Any:

@@ -11,8 +11,15 @@ from pathlib import Path
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (0700) if needed; kvobs writes only inside its directory."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` if needed, and each missing folder above it, 0700 (``mkdir(parents=True)`` would
+    create those with the default mode); kvobs writes only inside its directory."""
+    missing = []
+    folder = path
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
     return path
 
 

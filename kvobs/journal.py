@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvobs.bundles import BUNDLE_FOLDERS, MAX_BUNDLES, MAX_HEADER_BYTES
+from kvobs.bundles import MAX_BUNDLES, MAX_HEADER_BYTES
 from kvobs.files import keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
 from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
@@ -73,8 +73,10 @@ def disk_bound(options: Options, engines: int = 1) -> int:
     of times) with these options: size an ``emptyDir`` or a volume with it."""
     segment = options.journal_bytes // KEEP_SEGMENTS + MAX_LINE_BYTES  # a segment rolls after its last line
     per_engine = KEEP_SEGMENTS * segment * (1 + options.journal_processes)
-    window = options.flight_bytes if options.flight_calls > 0 else 0  # kvobs/bundles.py (headers: requested ones too)
-    bundles = len(BUNDLE_FOLDERS) * MAX_BUNDLES * (window + MAX_HEADER_BYTES)
+    # kvobs/bundles.py: the failures' MAX_BUNDLES and each engine's requested MAX_BUNDLES, and one being written
+    # into each folder by each engine (a windowless one, a header only, is answered even with the recorder off)
+    window = options.flight_bytes if options.flight_calls > 0 else 0
+    bundles = (MAX_BUNDLES + engines * (MAX_BUNDLES + 2)) * (window + MAX_HEADER_BYTES)
     return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES + bundles
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,9 +31,13 @@ REQUEST_EVERY_S = 10.0
 CPU, and its process's GIL)."""
 REQUEST_TTL_S = 60.0
 """An engine answers a request until it is this old; the sidecar then deletes it."""
+CLOCK_SLACK_S = 5.0
+"""How far "in the future" a request may be (clocks of two containers, a step back) and still count."""
 POLL_EVERY_S = 1.0
 """How often an engine's journal writer looks for requests."""
 MAX_REQUEST_BYTES = 1024
+
+_making = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -51,18 +56,30 @@ def requests_dir(directory: str | os.PathLike[str]) -> Path:
     return Path(directory) / BUNDLE_DIR / REQUESTS_DIR
 
 
+def _live(request: Request, now: float) -> bool:
+    """Younger than ``REQUEST_TTL_S``; one made "later than now" (the clock was stepped back since) is live for
+    at most ``CLOCK_SLACK_S`` ahead, else it would never expire and would block every new request."""
+    return -CLOCK_SLACK_S <= now - request.created < REQUEST_TTL_S
+
+
+def _request_files(folder: Path) -> list[os.DirEntry[str]]:
+    """The folder's regular ``*.request`` files (a FIFO of that name would block whoever opens it)."""
+    return [entry for entry in os.scandir(folder)
+            if entry.name.endswith(REQUEST_SUFFIX) and entry.is_file(follow_symlinks=False)]
+
+
 def pending(directory: str | os.PathLike[str], now: float | None = None) -> list[Request]:
-    """The requests younger than ``REQUEST_TTL_S``, oldest first (a file that does not parse is skipped: a
-    request is a hint, never worth a fault)."""
+    """The live requests, oldest first. A folder that cannot be read, or a file that does not parse, gives
+    none: a request is a hint, never worth a fault (the sidecar lists what is pending)."""
     now = time.time() if now is None else now
     try:
-        entries = [entry for entry in os.scandir(requests_dir(directory)) if entry.name.endswith(REQUEST_SUFFIX)]
-    except FileNotFoundError:
+        entries = _request_files(requests_dir(directory))
+    except OSError:
         return []
     found = []
     for entry in sorted(entries, key=lambda e: e.name):
         request = _read(Path(entry.path))
-        if request is not None and now - request.created < REQUEST_TTL_S:
+        if request is not None and _live(request, now):
             found.append(request)
     return found
 
@@ -93,18 +110,20 @@ def make_request(directory: str | os.PathLike[str], engine: str | None, now: flo
     now = time.time() if now is None else now
     if engine is not None and not is_engine_label(engine):
         raise ValueError(f"not an engine label: {engine!r:.100}")
-    folder = private_dir(requests_dir(directory))
-    newest = None
-    for entry in os.scandir(folder):
-        request = _read(Path(entry.path)) if entry.name.endswith(REQUEST_SUFFIX) else None
-        if request is None or now - request.created >= REQUEST_TTL_S:
-            Path(entry.path).unlink(missing_ok=True)
-        elif newest is None or request.created > newest:
-            newest = request.created
-    if newest is not None and now - newest < REQUEST_EVERY_S:
-        raise TooSoon(REQUEST_EVERY_S - (now - newest))
-    request_id = f"{int(now * 1000):015d}"
-    write_durably(folder / f"{request_id}{REQUEST_SUFFIX}", json.dumps({"created": now, "engine": engine}).encode())
+    with _making:  # the sidecar serves each connection on a thread: one check-then-write at a time
+        folder = private_dir(requests_dir(directory))
+        newest = None
+        for entry in _request_files(folder):
+            request = _read(Path(entry.path))
+            if request is None or not _live(request, now):
+                Path(entry.path).unlink(missing_ok=True)
+            elif newest is None or request.created > newest:
+                newest = request.created
+        if newest is not None and now - newest < REQUEST_EVERY_S:
+            raise TooSoon(REQUEST_EVERY_S - max(now - newest, 0.0))
+        request_id = f"{int(now * 1000):015d}"
+        data = json.dumps({"created": now, "engine": engine}).encode()
+        write_durably(folder / f"{request_id}{REQUEST_SUFFIX}", data)
     return Request(request_id, now, engine)
 
 

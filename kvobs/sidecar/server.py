@@ -91,6 +91,8 @@ from kvobs.wire.format import FAILURES_DIR, REPORT_ID, REPORT_SUFFIX, report_tim
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
+MAX_POST_BODY = 1024
+"""The body POST /api/v1/replays reads (and ignores) at most; a larger one is refused unread (413)."""
 REQUEST_DEADLINE_S = 10.0
 """From the start of waiting for a request to the end of its headers (idle keep-alive included)."""
 
@@ -464,7 +466,16 @@ class Handler(BaseHTTPRequestHandler):
         if url.path != REPLAYS_PATH:
             self._refuse()
             return
-        self.close_connection = True  # the body (none is expected) is not read
+        try:  # a body is not expected; a small one is read and ignored, so the connection stays usable
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_POST_BODY:
+            self.close_connection = True
+            self._json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE if length > 0 else HTTPStatus.BAD_REQUEST,
+                       {"error": f"this endpoint takes no body (at most {MAX_POST_BODY} bytes, ignored)"})
+            return
+        self.rfile.read(length)
         if not self._authorized():
             return
         try:
@@ -475,6 +486,7 @@ class Handler(BaseHTTPRequestHandler):
             body = json.dumps({"error": str(exc), "retry_after_s": exc.retry_after}).encode()
             self.send_response(HTTPStatus.TOO_MANY_REQUESTS)
             self.send_header("Retry-After", str(math.ceil(exc.retry_after)))
+            self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

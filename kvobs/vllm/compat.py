@@ -382,13 +382,18 @@ def _live_state(obj: Any) -> dict[str, Any]:
 
     names = _instance_names(obj)
     state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
-    # An instance attribute in place of one of the class's methods wraps it (kvobs's own policy taps,
-    # hook_policy's; a profiler's timer): behaviour, not state of vLLM's, so left out.
-    stand_ins = {id(value) for value in (getattr(obj, name) for name in _method_names(type(obj)))
-                 if getattr(value, "__self__", None) is not obj}
-    referents = [r for r in gc.get_referents(obj) if r is not type(obj) and id(r) not in stand_ins]
+    # An instance attribute in place of one of the class's methods, one vLLM's __init__ does not set, wraps it
+    # (kvobs's own policy taps, hook_policy's; a profiler's timer): behaviour, not state of vLLM's, left out.
+    stand_ins = {name: value for name in _method_names(type(obj)) if name not in state
+                 and getattr(value := getattr(obj, name), "__self__", None) is not obj}
+    referents = [r for r in gc.get_referents(obj) if r is not type(obj)]
     if len(referents) == 1 and isinstance(referents[0], dict) and set(referents[0]) >= set(state):
-        return dict(referents[0])  # its __dict__ is a real one already (something read it): nothing to spare
+        # its __dict__ is a real one already (something read it): nothing to spare
+        return {name: value for name, value in referents[0].items() if name not in stand_ins}
+    for value in stand_ins.values():  # one referent each (two attributes may hold one object)
+        found = next((i for i, r in enumerate(referents) if r is value), None)
+        if found is not None:
+            referents.pop(found)
     if len(referents) != len(state):
         raise ProtocolMismatch(f"{type(obj).__name__} holds {len(referents)} attributes, its class sets "
                                f"{len(state)}: kvobs cannot snapshot it whole")

@@ -119,7 +119,7 @@ def write_bundle(
     last = None if failing_call is None else (CALL, "prepare_load", (list(failing_call[0]), failing_call[1]), None,
                                               FAILED)
     empty: tuple[bytes | None, float, list[bytes], list[Any]] = (None, 0.0, [], [])
-    state, since, keys, calls = empty if window is None else observer.applied(lambda: window.window(last))
+    state, since, keys, calls = empty if window is None else window.window(observer.applied(lambda: window.view(last)))
     reason = observer.flight_off_reason if window is None else window.off_reason
     blob = None
     if state is not None:
@@ -145,18 +145,19 @@ def _bundle_in_dir(
     manager: OffloadingManager, observer: Observer, failure: dict[str, Any] | None = None,
     failing_call: tuple[Collection[bytes], Any] | None = None, requested: str | None = None,
 ) -> tuple[Path, int]:
-    """A bundle in ``<dir>/replay/`` (``replay/requested/`` when the sidecar asked for it; the oldest beyond
-    ``MAX_BUNDLES`` there deleted): its path and size."""
+    """A bundle in ``<dir>/replay/`` (the oldest beyond ``MAX_BUNDLES`` deleted), or in ``replay/requested/``
+    when the sidecar asked for it (this engine's oldest beyond ``MAX_BUNDLES`` deleted): its path and size."""
     global _sequence
     with _sequence_lock:
         _sequence += 1
         sequence = _sequence
     folder = Path(str(observer.options.dir)) / BUNDLE_DIR
+    engine = observer.options.engine or "0"
     if requested is not None:
         folder = folder / REQUESTED_DIR
-    path = new_bundle(folder, observer.options.engine or "0", os.getpid(), sequence)
+    path = new_bundle(folder, engine, os.getpid(), sequence)
     size = write_bundle(path, manager, observer, failure, failing_call, requested)
-    keep_bundles(folder)
+    keep_bundles(folder, engine if requested is not None else None)
     return path, size
 
 
