@@ -341,7 +341,8 @@ def parser() -> argparse.ArgumentParser:
         description="Rebuild vLLM's manager from a replay bundle's snapshot (kvobs's flight recorder writes one to "
                     "<dir>/replay/ at every failed load), make its recorded calls on it without kvobs, and say "
                     "whether vLLM's own assertion happens at the same call with the same text. Run it with the "
-                    "vLLM release the bundle names. Exit status: 0 reproduced, 1 not reproduced, 2 the bundle "
+                    "vLLM release the bundle names. Exit status: 0 reproduced (a bundle asked for without a "
+                    "failure, POST /api/v1/replays: every call answered as recorded), 1 not, 2 the bundle "
                     "cannot be replayed here (the message says why). A bundle is a pickle: replay only bundles "
                     "you trust.",
     )

@@ -12,7 +12,8 @@ from kvobs.vllm.replay import ReplayError, load, minimize, replay
 
 def run(path: str, *, minimize_calls: bool = False, budget_s: float = 120.0, emit_test: str | None = None,
         as_json: bool = False) -> int:
-    """0: vLLM's assertion reproduced at the same call; 1: not; 2: the bundle cannot be replayed here."""
+    """0: vLLM's assertion reproduced at the same call (a bundle without a failure: every call answered as
+    recorded); 1: not; 2: the bundle cannot be replayed here."""
     shrink = minimize_calls
     try:
         bundle = load(path)
@@ -29,11 +30,14 @@ def run(path: str, *, minimize_calls: bool = False, budget_s: float = 120.0, emi
         print(f"kvobs replay: {exc}", file=sys.stderr)
         return 2
     failure = bundle.failure or {}
+    # a bundle without a failure (asked for on demand) succeeds when every call answers as recorded
+    as_recorded = outcome.raised_at is None and not outcome.diverged
     result = {
         "bundle": path,
         "vllm_version": bundle.header.get("vllm_version"),
         "calls": len(bundle.calls),
         "reproduced": reproduced,
+        "as_recorded": as_recorded,
         "raised_at": outcome.raised_at,
         "exception": outcome.exception,
         "message": outcome.message,
@@ -58,10 +62,13 @@ def run(path: str, *, minimize_calls: bool = False, budget_s: float = 120.0, emi
                   f"{outcome.message}")
         for i, what in outcome.diverged[:20]:
             print(f"  diverged at call {i + 1}: {what}")
-        print(f"result: {'reproduced' if reproduced else 'NOT reproduced'}")
+        if failure:
+            print(f"result: {'reproduced' if reproduced else 'NOT reproduced'}")
+        else:
+            print(f"result: {'replayed as recorded' if as_recorded else 'NOT as recorded'}")
         if shrink and reproduced:
             print(f"minimised: {len(kept)} of {len(bundle.calls)} calls still fail the same way")
         if emit_test is not None:
             print(f"test: {emit_test} (fails with vLLM's assertion while the bug is there; needs vLLM alone)")
-    return 0 if reproduced else 1
+    return 0 if (reproduced if failure else as_recorded) else 1
 

@@ -193,6 +193,7 @@ def test_an_on_demand_bundle_replays_every_call_as_recorded(managers: list, tmp_
     assert bundle.failure is None and len(bundle.calls) >= 10
     outcome = replay(bundle)
     assert outcome.raised_at is None and not outcome.diverged
+    assert kvobs_main(["replay", str(path)]) == 0  # no failure to reproduce: every call answered as recorded
 
 
 def test_no_recorder_and_no_bundle_unless_asked_for(managers: list, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvobs.bundles import MAX_BUNDLES
+from kvobs.cli import main as kvobs_main
 from kvobs.replay_requests import REQUEST_EVERY_S, make_request
 from kvobs.sidecar.replays import REPLAYS_PATH
 from kvobs.vllm.replay import load, replay
@@ -92,6 +93,7 @@ def test_a_requested_bundle_is_written_while_the_engine_works_and_replays(
     assert bundle.failure is None and len(bundle.calls) == listed["calls"]
     outcome = replay(bundle)
     assert outcome.raised_at is None and not outcome.diverged, outcome
+    assert kvobs_main(["replay", str(path)]) == 0  # as README's example: every call answered as recorded
 
     # One request per REQUEST_EVERY_S: the next is refused with how long to wait, and leaves nothing.
     status, headers, body = post(f"{sidecar.url}{REPLAYS_PATH}")
