@@ -215,7 +215,13 @@ def test_a_hung_up_sidecar_checkpoints_and_restarted_never_serves_a_lower_counte
     its journal, then the sidecar reads it, then the engine goes on and exits; a checkpoint taken only
     on the way out holds the later counts, and the restarted sidecar serves them from its first scrape
     on, whatever it reads (the engine's files are gone: only the checkpoint can know)."""
-    sidecar = Sidecar(tmp_path).start()
+    # As from a terminal, where Ctrl-C reaches it: a test run in the background of a shell without job
+    # control (nohup, cron) ignores SIGINT, and a child inherits an ignored signal through exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sidecar = Sidecar(tmp_path).start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     engine = LiveEngine(tmp_path, engine="0", model_name="model-a")
     try:
         engine.say("store 3", "stored")
