@@ -9,7 +9,6 @@ makes: kvobs/flight.py).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -18,8 +17,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kvobs.files import keep_newest, private_dir, write_durably
-from kvobs.wire.format import REPORT_ID, report_name, report_time_ms
+from kvobs.files import keep_newest, private_dir, remove_stale_temps, write_durably
+from kvobs.wire.format import REPORT_ID, report_engine, report_name, report_time_ms
 
 MAX_BUNDLES = 4
 """Replay bundles kept: of failures, all engines together; of requests, each engine's (the oldest deleted);
@@ -62,7 +61,7 @@ def new_bundle(folder: Path, engine: str, pid: int, n: int) -> Path:
 
 def bundle_engine(path: Path) -> str:
     """The engine a bundle's name says wrote it (``<ms>-<engine>-<pid>-<n>``; an engine label may hold '-')."""
-    return path.name[: -len(BUNDLE_SUFFIX)][16:].rsplit("-", 2)[0]
+    return report_engine(path.name[: -len(BUNDLE_SUFFIX)]) or ""
 
 
 def keep_bundles(folder: Path, engine: str | None = None) -> None:
@@ -71,18 +70,7 @@ def keep_bundles(folder: Path, engine: str | None = None) -> None:
     temporary file a process died writing (older than ``STALE_TEMP_S``)."""
     bundles = bundle_files(folder)
     keep_newest(bundles if engine is None else [b for b in bundles if bundle_engine(b) == engine], MAX_BUNDLES)
-    remove_stale_temps(folder)
-
-
-def remove_stale_temps(folder: Path) -> None:
-    """Delete the temporary files of bundles a process died writing (kvobs.files.write_durably's names)."""
-    deadline = time.time() - STALE_TEMP_S
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(folder):
-            if entry.name.startswith(".") and entry.name.endswith(f"{BUNDLE_SUFFIX}.tmp"):
-                with contextlib.suppress(OSError):
-                    if entry.stat(follow_symlinks=False).st_mtime < deadline:
-                        os.unlink(entry.path)
+    remove_stale_temps(folder, BUNDLE_SUFFIX, STALE_TEMP_S)
 
 
 def _fitted(value: Any, limit: int) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 
@@ -23,9 +24,30 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+TEMP_PREFIX, TEMP_SUFFIX = ".", ".tmp"
+"""What :func:`write_durably` puts around a file's name for the temporary file it writes it through (hidden,
+so no reader lists it)."""
+
+
+def temp_name(name: str) -> str:
+    return f"{TEMP_PREFIX}{name}{TEMP_SUFFIX}"
+
+
+def remove_stale_temps(folder: Path, suffix: str, older_than_s: float) -> None:
+    """Delete :func:`write_durably`'s temporary files of names ending in ``suffix`` in ``folder`` that are
+    older than ``older_than_s``: a process died writing them (a live writer's is younger)."""
+    deadline = time.time() - older_than_s
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith(TEMP_PREFIX) and entry.name.endswith(suffix + TEMP_SUFFIX):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                        os.unlink(entry.path)
+
+
 def write_durably(path: Path, data: bytes) -> None:
     """Write a whole file so that it survives a crash right after this returns."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(temp_name(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         write_all(fd, data)

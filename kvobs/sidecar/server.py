@@ -361,19 +361,22 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet: Prometheus scrapes often
         return
 
-    def _send(self, status: int, body: bytes, content_type: str, gzipped: bool = False) -> None:
+    def _send(self, status: int, body: bytes, content_type: str, gzipped: bool = False,
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         if gzipped:
             self.send_header("Content-Encoding", "gzip")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, status: int, payload: Any) -> None:
-        self._send(status, json.dumps(payload, indent=1).encode(), "application/json")
+    def _json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(payload, indent=1).encode(), "application/json", headers=headers)
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
@@ -483,14 +486,8 @@ class Handler(BaseHTTPRequestHandler):
         except replays.RequestError as exc:
             self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
         except TooSoon as exc:
-            body = json.dumps({"error": str(exc), "retry_after_s": exc.retry_after}).encode()
-            self.send_response(HTTPStatus.TOO_MANY_REQUESTS)
-            self.send_header("Retry-After", str(math.ceil(exc.retry_after)))
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._json(HTTPStatus.TOO_MANY_REQUESTS, {"error": str(exc), "retry_after_s": exc.retry_after},
+                       headers={"Retry-After": str(math.ceil(exc.retry_after))})
         except OSError as exc:  # a read-only or full directory
             self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"cannot leave the request: {exc}"})
         else:

@@ -73,7 +73,7 @@ must be a safe file name."""
 ENGINE_LABEL_RULE = (f"1-{MAX_ENGINE_LABEL} letters, digits, '_', '.', ':' or '-', starting with a letter "
                      "or digit")
 """:data:`ENGINE_LABEL` in words, for the errors of the option check and the API."""
-REPORT_ID = re.compile(rf"\d{{15}}-(?:{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
+REPORT_ID = re.compile(rf"\d{{15}}-(?P<engine>{ENGINE_LABEL.pattern})-\d{{1,10}}-\d{{1,10}}")
 """A failure report's id, the stem of its file name (:func:`report_name`); ids sort in the order
 reports were written (by time, unless the clock stepped back)."""
 
@@ -151,6 +151,12 @@ def report_time_ms(report_id: str) -> int | None:
     """The millisecond wall time a report's id (its file name's stem) starts with, None if it has none."""
     timed = _TIMED_NAME.match(report_id)
     return int(timed.group(1)) if timed else None
+
+
+def report_engine(report_id: str) -> str | None:
+    """The engine a report's id (its file name's stem) names, None if it is no :data:`REPORT_ID`."""
+    named = REPORT_ID.fullmatch(report_id)
+    return named.group("engine") if named else None
 
 
 def journal_stem(engine: str, pid: int, n: int = 0) -> str:
