@@ -3,8 +3,9 @@
 reads (kvobs/vllm/replay.py). Pure standard library: the sidecar imports it.
 
 A bundle is a zip: ``bundle.json`` (what a person reads: versions, options, the failure or the request it
-answers, whether it holds a window and, if not, why) and ``window.pickle`` (the state and the calls a replay
-makes: kvobs/flight.py).
+answers, whether it holds a window and, if not, why) and ``window.msgpack`` (the state and the calls a replay
+makes: kvobs.flight.Window, plain values; docs/design.md, "Replay bundles", documents both). Nothing in a
+bundle is unpickled or executed where it is read (SECURITY.md).
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ BUNDLE_FOLDERS = (BUNDLE_DIR, f"{BUNDLE_DIR}/{REQUESTED_DIR}")
 STALE_TEMP_S = 60.0
 """A bundle's temporary file older than this was left by a process that died writing it: deleted."""
 BUNDLE_SUFFIX = ".kvobs-replay.zip"
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2
+"""2: the window is kvobs.flight.Window (MessagePack of values). 1 held a pickle and is refused, never read."""
 HEADER = "bundle.json"
-WINDOW = "window.pickle"
+WINDOW = "window.msgpack"
+
 
 
 def bundle_files(folder: Path) -> list[Path]:
@@ -85,7 +88,7 @@ def _fitted(value: Any, limit: int) -> Any:
 
 
 def write_bundle(path: str, header: dict[str, Any], window: bytes | None) -> int:
-    """Write a bundle: ``bundle.json`` (what a person reads) and ``window.pickle`` (the state and calls a
+    """Write a bundle: ``bundle.json`` (what a person reads) and ``window.msgpack`` (the state and calls a
     replay makes); its size in bytes. Whole or not at all, private (0600), durable (kvobs.files). The header
     takes at most ``MAX_HEADER_BYTES`` (its longest strings cut)."""
     header = {"format": BUNDLE_FORMAT, **header}
@@ -108,20 +111,38 @@ def read_header(path: str) -> dict[str, Any]:
     """A bundle's ``bundle.json``; raises ValueError naming what is wrong with the file."""
     try:
         with zipfile.ZipFile(path) as bundle:
-            header = json.loads(bundle.read(HEADER))
-    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise ValueError(f"{path}: not a kvobs replay bundle ({exc})") from exc
-    if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT:
-        raise ValueError(f"{path}: bundle format {header.get('format') if isinstance(header, dict) else '?'!r}, "
-                         f"this kvobs reads format {BUNDLE_FORMAT}")
+            header = json.loads(_member(bundle, HEADER, MAX_HEADER_BYTES))
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError, EOFError, RuntimeError, NotImplementedError,
+            RecursionError) as exc:
+        raise ValueError(f"{path}: not a kvobs replay bundle ({type(exc).__name__}: {exc})") from None
+    found = header.get("format") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or found != BUNDLE_FORMAT:
+        older = " (format 1 held a pickle: replay it with the kvobs that wrote it, if you trust it)" \
+            if found == 1 else ""
+        raise ValueError(f"{path}: bundle format {found!r}, this kvobs reads format {BUNDLE_FORMAT}{older}")
     return header
 
 
-def read_window(path: str) -> bytes:
-    """A bundle's ``window.pickle`` (raises ValueError if it has none: its header says why)."""
-    with zipfile.ZipFile(path) as bundle:
-        try:
-            return bundle.read(WINDOW)
-        except KeyError:
-            raise ValueError(f"{path}: the bundle holds no window to replay") from None
+def _member(bundle: zipfile.ZipFile, name: str, limit: int) -> bytes:
+    """A member's bytes, refused (ValueError) when it unpacks to more than ``limit``, before it is read."""
+    info = bundle.getinfo(name)
+    if info.file_size > limit:
+        raise ValueError(f"{name} unpacks to {info.file_size} bytes, over {limit}")
+    with bundle.open(info) as member:
+        data = member.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{name} unpacks to over {limit} bytes")
+    return data
+
+
+def read_window(path: str, limit: int) -> bytes:
+    """A bundle's ``window.msgpack``, its bytes (ValueError if it has none, its header says why, if it unpacks
+    to more than ``limit``, the writer's ``flight_bytes``, or if the file is not a bundle)."""
+    try:
+        with zipfile.ZipFile(path) as bundle:
+            return _member(bundle, WINDOW, limit)
+    except KeyError:
+        raise ValueError(f"{path}: the bundle holds no window to replay") from None
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, RuntimeError, NotImplementedError) as exc:
+        raise ValueError(f"{path}: the window does not read ({type(exc).__name__}: {exc})") from None
 

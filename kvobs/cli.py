@@ -343,8 +343,8 @@ def parser() -> argparse.ArgumentParser:
                     "whether vLLM's own assertion happens at the same call with the same text. Run it with the "
                     "vLLM release the bundle names. Exit status: 0 reproduced (a bundle asked for without a "
                     "failure, POST /api/v1/replays: every call answered as recorded), 1 not, 2 the bundle "
-                    "cannot be replayed here (the message says why). A bundle is a pickle: replay only bundles "
-                    "you trust.",
+                    "cannot be replayed here (the message says why). A bundle is data: nothing in it is "
+                    "unpickled, imported or run (SECURITY.md).",
     )
     replay.add_argument("bundle", metavar="BUNDLE", help="a .kvobs-replay.zip file")
     replay.add_argument("--minimize", action="store_true",

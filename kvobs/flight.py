@@ -5,7 +5,7 @@ once applied, into the current segment (kvobs.hot_path.FlightSegment: columns, k
 requests by id, answers by name; no Python object per call, so the garbage collector never walks a
 window of a hundred thousand calls and no vLLM object but the keys stays alive). Every ``flight_calls``
 calls the scheduler thread snapshots the manager's state between two calls (``Recorder.roll``; the
-manager and its live requests, pickled by kvobs.vllm.compat.snapshot_state) and a new segment starts;
+manager and its live requests, written as data by kvobs.vllm.compat.snapshot_state) and a new segment starts;
 a window is the two latest segments, so it always starts at a state it can be replayed from: between
 ``flight_calls`` and twice as many calls.
 
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from kvobs.hot_path_loader import FlightSegment
 
@@ -29,8 +32,9 @@ ASK_AT = 0.8
 Encoded = tuple[str, tuple[tuple[str, Any], ...], "bytes | None", Any]
 """A call in a bundle: its method; each argument as ``("k", i)`` (key ``i`` of the bundle's key table),
 ``("K", bytes)`` (the indices of several, ``array("I")`` bytes), ``("r", req_id)`` (a request),
-``("v", value)`` (None, a bool, an int or a str) or ``("p", bytes)`` (anything else, pickled); its keywords,
-pickled; and its answer (a lookup's result by name, whether a store was accepted)."""
+``("v", value)`` (None, a bool, an int or a str) or ``("x", bytes)`` (anything else, written as data by
+kvobs.vllm.compat.encode_value); its keywords, the same; and its answer (a lookup's result by name, whether a
+store was accepted)."""
 
 
 class FlightWindow:
@@ -39,13 +43,15 @@ class FlightWindow:
 
     Installs each new segment on ``recorder`` (``flight_segment``) as its snapshot is applied, and turns the
     recorder off (``recorder.flight_off``) with a reason when a snapshot outgrows its share of ``max_bytes``.
-    ``roles`` is kvobs.vllm.compat.CALL_ARGS.
+    ``roles`` is kvobs.vllm.compat.CALL_ARGS, ``encode`` kvobs.vllm.compat.encode_value.
     """
 
-    def __init__(self, recorder: Any, max_bytes: int, roles: dict[str, tuple[str, ...]]) -> None:
+    def __init__(self, recorder: Any, max_bytes: int, roles: dict[str, tuple[str, ...]],
+                 encode: Callable[[Any], bytes]) -> None:
         self.recorder = recorder
         self.max_bytes = max_bytes
         self.roles = roles
+        self.encode = encode
         self._older: Any = None
         self._current: Any = None
         self._asked: Any = None  # the segment that asked for the next snapshot already
@@ -61,7 +67,7 @@ class FlightWindow:
             return
         self._older = self._current
         share = self.max_bytes - (0 if self._older is None else self._older.nbytes)  # its state included
-        self._current = FlightSegment(state, time.time(), self.roles, int(share * ASK_AT))
+        self._current = FlightSegment(state, time.time(), self.roles, int(share * ASK_AT), self.encode)
         self.recorder.flight_segment = self._current
         self.recorder.flight_over = self.over
 
@@ -104,7 +110,7 @@ class FlightWindow:
         for the decoding (which takes a quarter of a second for 66,000 calls)."""
         segments = [s for s in (self._older, self._current) if s is not None]
         if segments and last is not None:
-            tail = FlightSegment(b"", 0.0, self.roles, 1 << 62)
+            tail = FlightSegment(b"", 0.0, self.roles, 1 << 62, self.encode)
             tail.add(last)
             segments.append(tail)
         return [(segment, len(segment), len(segment.keys)) for segment in segments]
@@ -140,7 +146,7 @@ class FlightWindow:
                     args.append(("r", segment.req_ids[segment.reqs[i]]))
                 elif position in extras:
                     value = extras[position]
-                    args.append(("p", value) if isinstance(value, bytes) else ("v", value))
+                    args.append(("x", value) if isinstance(value, bytes) else ("v", value))
                 else:
                     break  # the call was made without it (an optional argument)
             code = segment.outcomes[i]
@@ -153,3 +159,36 @@ def decode_indices(packed: bytes) -> list[int]:
     out = array("I")
     out.frombytes(packed)
     return out.tolist()
+
+
+class WindowCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A call in a bundle's window (:data:`Encoded`, field for field)."""
+
+    method: str
+    args: list[tuple[str, Any]]
+    keywords: bytes | None
+    answer: str | bool | None
+
+
+class Window(msgspec.Struct, forbid_unknown_fields=True):
+    """A bundle's window (kvobs/bundles.py ``WINDOW``): the state it starts from (kvobs.state_codec bytes), the
+    key table and the calls since. MessagePack with this schema; values only, no pickle (SECURITY.md)."""
+
+    state: bytes
+    keys: list[bytes]
+    calls: list[WindowCall]
+
+
+def encode_window(state: bytes, keys: list[bytes], calls: list[Encoded]) -> bytes:
+    """A window as a bundle stores it."""
+    return msgspec.msgpack.encode(Window(state, keys, [WindowCall(m, list(a), k, r) for m, a, k, r in calls]))
+
+
+def decode_window(blob: bytes) -> tuple[bytes, list[bytes], list[Encoded]]:
+    """(state, keys, calls) of a stored window; ValueError naming what does not fit the schema. What each
+    argument holds is checked where it is used (kvobs.vllm.replay)."""
+    try:
+        window = msgspec.msgpack.decode(blob, type=Window)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nesting: RecursionError
+        raise ValueError(f"the window is not a kvobs window: {exc}") from None
+    return window.state, window.keys, [(c.method, tuple(c.args), c.keywords, c.answer) for c in window.calls]

@@ -48,7 +48,6 @@ are handed in.
 from __future__ import annotations
 
 import copy
-import pickle
 import threading
 import time
 from array import array
@@ -332,13 +331,16 @@ class FlightSegment:
     Call ``i`` is ``methods[i]`` of request ``req_ids[reqs[i]]`` (-1: none), answering
     ``outcome_values[outcomes[i]]`` (-1: nothing kept), with keys ``keys[key_refs[j]]`` for ``j`` from
     ``key_ends[i - 1]`` to ``key_ends[i]``, and any other argument in ``extras[i]`` (``(position, value)``
-    pairs, a value other than None, a bool, an int or a str pickled; keywords at position -1, pickled).
-    No Python object per call: filled by kvobs's applier, the garbage collector never walks it, and it keeps
-    no vLLM object alive but the keys. ``roles`` is kvobs.vllm.compat.CALL_ARGS.
+    pairs, a value other than None, a bool, an int or a str written as data by ``encode``; keywords at
+    position -1, the same). No Python object per call: filled by kvobs's applier, the garbage collector never
+    walks it, and it keeps no vLLM object alive but the keys. ``roles`` is kvobs.vllm.compat.CALL_ARGS,
+    ``encode`` kvobs.vllm.compat.encode_value (no pickle: SECURITY.md).
     """
 
-    def __init__(self, state: bytes, taken: float, roles: dict[str, tuple[str, ...]], budget: int) -> None:
+    def __init__(self, state: bytes, taken: float, roles: dict[str, tuple[str, ...]], budget: int,
+                 encode: Callable[[Any], bytes]) -> None:
         self.state = state
+        self._encode = encode
         self.taken = taken
         self.budget = budget
         self._roles = roles
@@ -440,7 +442,7 @@ class FlightSegment:
 
     def _extra(self, position: int, value: Any) -> None:
         if not (value is None or isinstance(value, (bool, int, str))):
-            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            value = self._encode(value)
             self.nbytes += len(value)
         index = len(self.methods) - 1
         found = self.extras.get(index)

@@ -352,12 +352,7 @@ _INSTANCE_NAMES: dict[type, tuple[str, ...]] = {}
 def _instance_names(obj: Any) -> tuple[str, ...]:
     """The instance attributes ``obj``'s class sets (read from a throwaway instance of it: a CPU manager of one
     chunk, a cache policy of one chunk's capacity, as every release builds them)."""
-    cls = type(obj)
-    names = _INSTANCE_NAMES.get(cls)
-    if names is None:
-        throwaway = cls(num_chunks=1) if isinstance(obj, CPUOffloadingManager) else cls(cache_capacity=1)
-        names = _INSTANCE_NAMES[cls] = tuple(vars(throwaway))
-    return names
+    return _instance_names_of(type(obj))
 
 
 _METHOD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -400,30 +395,123 @@ def _live_state(obj: Any) -> dict[str, Any]:
     return state
 
 
+SNAPSHOT_MODULES = (
+    "vllm.v1.kv_offload.base",
+    "vllm.v1.kv_offload.cpu.manager",
+    "vllm.v1.kv_offload.cpu.policies.base",
+    "vllm.v1.kv_offload.cpu.policies.lru",
+    "vllm.v1.kv_offload.cpu.policies.arc",
+)
+"""The modules whose classes a snapshot may hold (every release 0.30-0.34 has them): the CPU manager, its
+cache policies, their chunks and per-request state, and ``base``'s data classes (``ReqContext``,
+``ScheduleEndContext``, the enums). kvobs imports them itself; a bundle can only pick among them."""
+
+_TABLE: dict[str, Any] = {}
+
+
+def snapshot_table() -> dict[str, Any]:
+    """kvobs.state_codec's table for the installed vLLM: each class of :data:`SNAPSHOT_MODULES` a snapshot can
+    write, by ``module:qualname``, with the attributes its objects hold (a dataclass's fields, a ctypes
+    structure's, what the manager's and the policies' constructors set on a throwaway instance)."""
+    if _TABLE:
+        return _TABLE
+    import ctypes
+    import enum
+    import importlib
+
+    from kvobs.state_codec import Entry
+
+    for module_name in SNAPSHOT_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue  # a release without it: a state holding its classes does not snapshot (said once)
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != module_name:
+                continue
+            singletons = frozenset(name for name, value in vars(cls).items()
+                                   if type(value) is cls and not isinstance(value, enum.Enum))
+            if issubclass(cls, enum.Enum):
+                entry = Entry(cls, "enum")
+            elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+                entry = Entry(cls, "tuple")
+            elif issubclass(cls, ctypes.Structure):
+                entry = Entry(cls, "object", frozenset(field[0] for field in cls._fields_))
+            elif dataclasses.is_dataclass(cls):
+                entry = Entry(cls, "object", frozenset(f.name for f in dataclasses.fields(cls)), singletons)
+            elif inspect.isabstract(cls):
+                entry = Entry(cls, "class")
+            elif (CPUOffloadingManager is not None and issubclass(cls, CPUOffloadingManager)) \
+                    or hasattr(cls, "evict"):  # the manager, a cache policy
+                entry = Entry(cls, "object", frozenset(_instance_names_of(cls)))
+            else:
+                entry = Entry(cls, "class")
+            _TABLE[f"{module_name}:{cls.__qualname__}"] = entry
+    return _TABLE
+
+
+def _instance_names_of(cls: type) -> tuple[str, ...]:
+    """:func:`_instance_names` of a class."""
+    names = _INSTANCE_NAMES.get(cls)
+    if names is None:
+        throwaway = cls(num_chunks=1) if CPUOffloadingManager is not None and issubclass(cls, CPUOffloadingManager) \
+            else cls(cache_capacity=1)
+        names = _INSTANCE_NAMES[cls] = tuple(vars(throwaway))
+    return names
+
+
+def _snapshot_attributes(obj: Any) -> dict[str, Any]:
+    """What a snapshot writes of ``obj``: the manager's and its policy's attributes read one by one
+    (:func:`_live_state`), a request as :func:`plain_context` makes it, any other object its fields."""
+    entry = snapshot_table()[f"{type(obj).__module__}:{type(obj).__qualname__}"]
+    if (CPUOffloadingManager is not None and isinstance(obj, CPUOffloadingManager)) or hasattr(type(obj), "evict"):
+        state = _live_state(obj)
+        if set(state) != entry.names:  # its __dict__ read whole, with an attribute vLLM does not set
+            raise ProtocolMismatch(f"{type(obj).__name__} holds attributes its class does not set "
+                                   f"({', '.join(sorted(set(state) - entry.names))}): kvobs cannot snapshot it")
+        return state
+    if isinstance(obj, ReqContext):
+        obj = plain_context(obj)
+    return {name: getattr(obj, name) for name in sorted(entry.names)}
+
+
+def encode_value(value: Any) -> bytes:
+    """A call argument that is not a key, a request or a plain value (``on_schedule_end``'s context, keywords),
+    as data (kvobs.state_codec); TypeError for one holding a class outside :data:`SNAPSHOT_MODULES`."""
+    from kvobs.state_codec import encode
+
+    return encode(value, snapshot_table(), _snapshot_attributes)
+
+
+def decode_value(blob: bytes) -> Any:
+    """What :func:`encode_value` or :func:`snapshot_state` wrote; kvobs.state_codec.StateError if not that."""
+    from kvobs.state_codec import decode
+
+    return decode(blob, snapshot_table())
+
+
 def snapshot_state(manager: OffloadingManager, contexts: list[Any]) -> bytes:
-    """The CPU manager's state and its live requests', pickled: ``(manager, {req_id: ReqContext})``, vLLM's
-    classes only, loadable with vLLM alone. The manager and its cache policy are pickled from their attributes
-    read one by one (:func:`_live_state`), so kvobs's policy taps (instance attributes the class does not set)
-    are left out and the live objects stay as fast as they were; requests as :func:`plain_context` makes them."""
-    import copyreg
-    import io
-    import pickle
-
-    policy = manager._policy  # type: ignore[attr-defined]
-    states = {id(manager): (manager, _live_state(manager)), id(policy): (policy, _live_state(policy))}
-
-    class _Pickler(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            found = states.get(id(obj))
-            if found is not None and found[0] is obj:
-                # pickled as NEWOBJ: cls.__new__(cls), then the attributes set (typeshed lacks copyreg.__newobj__)
-                return copyreg.__newobj__, (type(obj),), found[1]  # type: ignore[attr-defined]
-            return NotImplemented
-
+    """The CPU manager's state and its live requests' as data: ``(manager, {req_id: ReqContext})``, written by
+    kvobs.state_codec from the classes of :data:`SNAPSHOT_MODULES` only, rebuilt with vLLM alone
+    (:func:`rebuild_state`). The manager and its cache policy are written from their attributes read one by
+    one (:func:`_live_state`), so kvobs's policy taps (instance attributes the class does not set) are left
+    out and the live objects stay as fast as they were; requests as :func:`plain_context` makes them.
+    TypeError when the state holds an object of another class."""
     plain = {ctx.req_id: plain_context(ctx) for ctx in contexts}
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((manager, plain))
-    return buffer.getvalue()
+    return encode_value((manager, plain))
+
+
+def rebuild_state(blob: bytes) -> tuple[Any, dict[str, Any]]:
+    """The manager and its live requests a :func:`snapshot_state` blob holds; StateError if it holds anything
+    else."""
+    from kvobs.state_codec import StateError
+
+    state = decode_value(blob)
+    if not (isinstance(state, tuple) and len(state) == 2 and CPUOffloadingManager is not None
+            and isinstance(state[0], CPUOffloadingManager) and isinstance(state[1], dict)
+            and all(isinstance(k, str) and isinstance(v, ReqContext) for k, v in state[1].items())):
+        raise StateError("the state is not a CPU manager and its requests")
+    return state[0], state[1]
 
 
 def loaded_chunk_ids(load_spec: Any) -> list[int]:

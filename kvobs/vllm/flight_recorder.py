@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Collection
@@ -21,7 +20,7 @@ from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvobs import __version__
 from kvobs.bundles import BUNDLE_DIR, REQUESTED_DIR, keep_bundles, new_bundle, write_bundle as write_bundle_file
-from kvobs.flight import FlightWindow
+from kvobs.flight import FlightWindow, encode_window
 from kvobs.hot_path_loader import CALL
 from kvobs.observer import Observer
 from kvobs.replay_requests import Answerer, Request
@@ -42,6 +41,9 @@ LIMITS = (
     "in the order the scheduler made them, which is the order the manager saw",
 )
 """What a replay cannot reproduce, said in every bundle (README, 'Replay a failure')."""
+
+_UNSNAPSHOTTABLE = (compat.ProtocolMismatch, TypeError, OverflowError, AttributeError)
+"""What writing a state raises for a manager kvobs cannot snapshot whole (kvobs.state_codec.encode)."""
 
 SURVIVED_BUNDLE_EVERY_S = 60.0
 """A load survive mode recomputed writes a bundle at most this often (each takes the scheduler thread a
@@ -66,19 +68,20 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
     rec = observer.recorder
     try:  # a manager kvobs cannot snapshot whole (an attribute its class does not set): no recorder, said once
         compat.snapshot_state(manager, [])
-    except (compat.ProtocolMismatch, pickle.PicklingError, TypeError, AttributeError) as exc:
+    except _UNSNAPSHOTTABLE as exc:
         observer.flight_off_reason = str(exc)
         logger.warning("kvobs: no flight recorder on this engine: %s", exc)
         return None
-    window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS)
+    window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS, compat.encode_value)
     observer.flight = window
 
     def snapshot() -> bytes | None:
-        """The state now; None, and the recorder off with the reason, when it cannot be pickled any more (a class
-        something replaced since, an attribute that does not pickle): a limit, not a fault of kvobs's."""
+        """The state now; None, and the recorder off with the reason, when it cannot be written any more (an
+        object of a class outside the snapshot table, an attribute vLLM does not set): a limit, not a fault of
+        kvobs's."""
         try:
             return compat.snapshot_state(manager, list(rec.flight_live.values()))
-        except (compat.ProtocolMismatch, pickle.PicklingError, TypeError, AttributeError) as exc:
+        except _UNSNAPSHOTTABLE as exc:
             window.off(f"the manager's state cannot be snapshotted any more: {exc!r}")
             observer.flight_off_reason = window.off_reason
             logger.warning("kvobs: flight recorder off: %s", window.off_reason)
@@ -123,7 +126,7 @@ def write_bundle(
     reason = observer.flight_off_reason if window is None else window.off_reason
     blob = None
     if state is not None:
-        blob = pickle.dumps({"state": state, "keys": keys, "calls": calls}, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = encode_window(state, keys, calls)
         if len(blob) > observer.options.flight_bytes:
             reason = f"the window takes {len(blob)} bytes, over flight_bytes ({observer.options.flight_bytes})"
             blob = None

@@ -1,21 +1,21 @@
 """``kvobs replay BUNDLE``: vLLM's real manager rebuilt from a bundle's snapshot, its recorded calls made again.
 
 A bundle (kvobs/flight.py, written by kvobs.vllm.flight_recorder) holds the manager's state at the start
-of its window, pickled with vLLM's own classes, and every call since. Replaying unpickles the state with
-the installed vLLM (the bundle's release is required: a pickle of another release's classes would not
-mean the same), makes each call on the bare manager (kvobs is not involved) and says whether vLLM's own
+of its window, as values (kvobs.state_codec), and every call since. Replaying rebuilds vLLM's manager from
+those values with the installed vLLM (the bundle's release is required: another release's classes hold
+other attributes), makes each call on the bare manager (kvobs is not involved) and says whether vLLM's own
 assertion happens at the same call with the same text. ``minimize`` shrinks the calls by delta debugging
 (Zeller's ddmin) to the fewest that still fail the same way; ``emit_test`` writes them as a standalone
 pytest file that needs vLLM alone.
 
-A bundle is a pickle: replay only bundles you trust. The unpickler refuses any class outside vLLM and
-the standard containers, which narrows what a crafted file can do, but does not make one safe.
+A bundle is data (SECURITY.md): nothing in it is unpickled, imported or evaluated. Its state can only hold
+objects of the classes kvobs.vllm.compat.snapshot_table lists, its calls only the manager methods the flight
+recorder records (kvobs.vllm.compat.CALL_ARGS) with arguments of the kinds each takes; anything else is
+refused with ReplayError before a call is made.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,33 +24,14 @@ from typing import Any
 from vllm.v1.kv_offload.base import ReqContext
 
 from kvobs.bundles import read_header, read_window
-from kvobs.flight import Encoded, decode_indices
+from kvobs.flight import Encoded, decode_indices, decode_window
+from kvobs.options import flight_bytes_range
 from kvobs.vllm import compat
 from kvobs.vllm.flight_recorder import FAILED
-
-_ALLOWED: dict[str, set[str]] = {
-    "builtins": {"bytes", "bytearray", "dict", "frozenset", "int", "list", "set", "slice", "str",
-                 "tuple", "float", "bool", "complex", "range", "object", "type"},
-    "collections": {"OrderedDict", "deque", "defaultdict"},
-    "copyreg": {"_reconstructor"},
-    "_ctypes": {"_unpickle"},
-    "enum": {"Enum", "IntEnum"},
-}
 
 
 class ReplayError(Exception):
     """The bundle cannot be replayed here; the message says why."""
-
-
-class _VllmOnly(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "vllm" or module.startswith("vllm.") or name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise ReplayError(f"the bundle names {module}.{name}, which is not one of vLLM's classes: refused")
-
-
-def _loads(blob: bytes) -> Any:
-    return _VllmOnly(io.BytesIO(blob)).load()
 
 
 @dataclass
@@ -68,26 +49,80 @@ class Bundle:
 
 
 def load(path: str) -> Bundle:
-    """Read a bundle; ReplayError when it cannot be replayed with the installed vLLM (naming why)."""
+    """Read a bundle and check every call in it; ReplayError (naming why) when it cannot be replayed with the
+    installed vLLM, whatever the file holds."""
     try:
         header = read_header(path)
     except ValueError as exc:
-        raise ReplayError(str(exc)) from exc
-    window = header.get("window") or {}
-    if not window.get("replayable"):
+        raise ReplayError(str(exc)) from None
+    window = header.get("window")
+    window = window if isinstance(window, dict) else {}
+    if window.get("replayable") is not True:
         raise ReplayError(f"{path}: the bundle holds no window to replay: {window.get('why_not') or 'no reason given'}")
     recorded = header.get("vllm_version")
     if recorded != compat.VLLM_VERSION:
-        raise ReplayError(f"{path} was recorded on vLLM {recorded}; this Python has vLLM {compat.VLLM_VERSION}: "
-                          f"replay it with vLLM {recorded} installed (its state is pickled with that release's "
-                          "classes)")
+        raise ReplayError(f"{path} was recorded on vLLM {recorded!r}; this Python has vLLM {compat.VLLM_VERSION}: "
+                          f"replay it with vLLM {recorded!r} installed (its state holds that release's attributes)")
+    options = header.get("options")
+    limit = options.get("flight_bytes") if isinstance(options, dict) else None
+    low, high = flight_bytes_range()
+    if type(limit) is not int or not low <= limit <= high:
+        raise ReplayError(f"{path}: the header's options.flight_bytes {limit!r} is not within {low}-{high}")
     try:
-        payload = _loads(read_window(path))
-        return Bundle(path, header, payload["state"], list(payload["keys"]), list(payload["calls"]))
-    except ReplayError:
-        raise
-    except Exception as exc:
-        raise ReplayError(f"{path}: the window does not read: {type(exc).__name__}: {exc}") from exc
+        state, keys, calls = decode_window(read_window(path, limit))
+    except ValueError as exc:
+        raise ReplayError(f"{path}: {exc}") from None
+    failure = header.get("failure")
+    if failure is not None and not (isinstance(failure, dict) and calls and calls[-1][0] == "prepare_load"
+                                    and len(calls[-1][1]) == 2):
+        raise ReplayError(f"{path}: the failure is not a load the window ends with")
+    for index, call in enumerate(calls):
+        problem = _check_call(call, len(keys))
+        if problem is not None:
+            raise ReplayError(f"{path}: call {index + 1}: {problem}")
+    return Bundle(path, header, state, keys, calls)
+
+
+_PLAIN = (type(None), bool, int, str)
+
+
+def _check_call(call: Encoded, nkeys: int) -> str | None:
+    """What is wrong with a window's call (None: nothing): a method the recorder records, each argument of the
+    kind the method takes there, keywords the method takes."""
+    method, args, keywords, _ = call
+    roles = compat.CALL_ARGS.get(method)
+    if roles is None:
+        return f"{method!r} is not a manager call a bundle may hold"
+    required = max((i + 1 for i, role in enumerate(roles) if role), default=0)  # keys and requests always
+    if not required <= len(args) <= len(roles):
+        return f"{method} takes {required}-{len(roles)} recorded arguments, the bundle gives {len(args)}"
+    for (tag, value), role in zip(args, roles, strict=False):
+        if role == "key":
+            ok = tag == "k" and type(value) is int and 0 <= value < nkeys
+        elif role == "keys":
+            ok = tag == "K" and type(value) is bytes and len(value) % 4 == 0 \
+                and all(i < nkeys for i in decode_indices(value))
+        elif role == "req":
+            ok = tag == "r" and type(value) is str
+        elif tag == "x" and type(value) is bytes:
+            try:
+                compat.decode_value(value)
+            except ValueError as exc:
+                return f"{method}'s argument: {exc}"
+            ok = True
+        else:
+            ok = tag == "v" and type(value) in _PLAIN
+        if not ok:
+            return f"{method}'s {role or 'value'} argument is {tag!r}: {type(value).__name__}, not one"
+    if keywords is not None:
+        allowed = compat.PROTOCOL_BY_NAME[method].keywords
+        try:
+            decoded = compat.decode_value(keywords)
+        except ValueError as exc:
+            return f"{method}'s keywords: {exc}"
+        if not isinstance(decoded, dict) or not all(k in allowed for k in decoded):
+            return f"{method}'s keywords are not among {list(allowed)}"
+    return None
 
 
 @dataclass
@@ -109,16 +144,19 @@ class Outcome:
 
 
 def replay(bundle: Bundle, indices: Sequence[int] | None = None) -> Outcome:
-    """Make the bundle's calls (``indices`` of them, in order; all by default) on a manager unpickled from its
-    snapshot; stop at the first exception."""
-    manager, contexts = _loads(bundle.state)
+    """Make the bundle's calls (``indices`` of them, in order; all by default) on a manager rebuilt from its
+    snapshot; stop at the first exception. ReplayError when the snapshot does not rebuild."""
+    try:
+        manager, contexts = compat.rebuild_state(bundle.state)
+    except ValueError as exc:
+        raise ReplayError(f"{bundle.path}: {exc}") from None
     chosen = range(len(bundle.calls)) if indices is None else indices
     outcome = Outcome(calls=len(chosen))
     for position, index in enumerate(chosen):
         method, args, kwargs, recorded = bundle.calls[index]
         real = [_decode(arg, bundle.keys, contexts) for arg in args]
         try:
-            result = getattr(manager, method)(*real, **({} if kwargs is None else _loads(kwargs)))
+            result = getattr(manager, method)(*real, **({} if kwargs is None else compat.decode_value(kwargs)))
         except Exception as exc:
             outcome.raised_at, outcome.exception, outcome.message = position, type(exc).__name__, str(exc)
             return outcome
@@ -139,8 +177,8 @@ def _decode(arg: tuple[str, Any], keys: list[bytes], contexts: dict[str, Any]) -
         if context is None:
             context = contexts[value] = ReqContext(value)
         return context
-    if tag == "p":
-        return _loads(value)
+    if tag == "x":
+        return compat.decode_value(value)
     return value
 
 

@@ -25,7 +25,7 @@ def run(path: str, *, minimize_calls: bool = False, budget_s: float = 120.0, emi
         if emit_test is not None:
             if not reproduced:
                 raise ReplayError("no test emitted: the replay does not reproduce the failure")
-            Path(emit_test).write_text(render(bundle, kept))
+            Path(emit_test).write_text(render(bundle, kept), encoding="utf-8")
     except (ReplayError, OSError) as exc:
         print(f"kvobs replay: {exc}", file=sys.stderr)
         return 2
