@@ -1,16 +1,19 @@
 """vLLM's offload objects written as plain values and rebuilt from a closed table of classes: no pickle.
 
 A replay bundle carries the manager's state and some call arguments (kvobs/bundles.py, kvobs/flight.py).
-They travel from a production pod to a laptop, so reading one must never run code (SECURITY.md). Here a
-value is written as MessagePack (msgspec) of plain data: ``None``, bools, ints, floats, strings and bytes
-as themselves; everything else as a list whose first item says what it is:
+They travel from a production pod to a laptop, so reading one must never run code (SECURITY.md). A blob is
+MessagePack (msgspec) of ``[FORMAT, bytes_table, names, tree]``: every bytes value once in ``bytes_table``
+(a key sits in five of vLLM's structures), every class tag and attribute name once in ``names``, and a
+tree of plain data: ``None``, bools, ints, floats and strings as themselves; everything else a list whose
+first item says what it is:
 
-``["l", items]`` list, ``["t", items]`` tuple, ``["s", items]`` set, ``["f", items]`` frozenset,
-``["d", [k, v, ...]]`` dict, ``["D", [k, v, ...]]`` OrderedDict, ``["q", items, maxlen]`` deque,
-``["o", id, tag, [name, value, ...]]`` an object of table class ``tag`` (attribute by attribute),
-``["n", tag, items]`` a named tuple, ``["e", tag, member]`` an enum member, ``["a", tag, name]`` one of
-a class's own instances (``TierFilter.ALL``), ``["c", tag]`` a class of the table, ``["r", id]`` object
-``id`` again (one object referenced twice stays one; cycles close).
+``["b", i]`` bytes_table[i], ``["l", items]`` list, ``["t", items]`` tuple, ``["s", items]`` set,
+``["f", items]`` frozenset, ``["d", [k, v, ...]]`` dict, ``["D", [k, v, ...]]`` OrderedDict,
+``["q", items, maxlen]`` deque, ``["o", id, tag, [name, value, ...]]`` an object of table class
+``names[tag]`` (attribute ``names[name]`` by attribute), ``["n", tag, items]`` a named tuple,
+``["e", tag, member]`` an enum member, ``["a", tag, name]`` one of a class's own instances
+(``TierFilter.ALL``), ``["c", tag]`` a class of the table, ``["r", id]`` object ``id`` again (one object
+referenced twice stays one; cycles close).
 
 The reader resolves nothing by name: a tag selects an entry of the :class:`Entry` table its caller
 built from the classes it imported itself (kvobs.vllm.compat.snapshot_table), an attribute is set only
@@ -24,7 +27,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -53,17 +56,33 @@ Table = Mapping[str, Entry]
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
+FORMAT = 1
+
+
 def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> bytes:
     """``value`` as bytes; ``attributes(obj)`` gives an ``object`` entry's attributes (vLLM's live objects
     are read without their ``__dict__``: kvobs.vllm.compat). TypeError for a value outside the table."""
     tags = {entry.cls: tag for tag, entry in table.items()}
     memo: dict[int, int] = {}
     keep: list[Any] = []  # what memo's ids stand for, alive until the end
+    blobs: dict[bytes, int] = {}
+    names: dict[str, int] = {}
+
+    def name(text: str) -> int:
+        found = names.get(text)
+        if found is None:
+            found = names[text] = len(names)
+        return found
 
     def tree(obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise TypeError(f"state nested deeper than {MAX_DEPTH}")
         cls = type(obj)
+        if cls is bytes:
+            found = blobs.get(obj)
+            if found is None:
+                found = blobs[obj] = len(blobs)
+            return ["b", found]
         if cls in _PLAIN:
             return obj
         if cls is list:
@@ -84,18 +103,18 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
             tag = tags.get(obj)
             if tag is None:
                 raise TypeError(f"class {obj.__module__}.{obj.__qualname__} is not in the snapshot table")
-            return ["c", tag]
+            return ["c", name(tag)]
         tag = tags.get(cls)
         if tag is None:
             raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not in the snapshot table")
         entry = table[tag]
         if entry.kind == "enum":
-            return ["e", tag, obj.name]
-        for name in entry.singletons:
-            if getattr(cls, name) is obj:
-                return ["a", tag, name]
+            return ["e", name(tag), obj.name]
+        for singleton in entry.singletons:
+            if getattr(cls, singleton) is obj:
+                return ["a", name(tag), singleton]
         if entry.kind == "tuple":
-            return ["n", tag, [tree(v, depth + 1) for v in obj]]
+            return ["n", name(tag), [tree(v, depth + 1) for v in obj]]
         if entry.kind != "object":
             raise TypeError(f"{tag} is not written as an object")
         seen = memo.get(id(obj))
@@ -104,12 +123,13 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
         memo[id(obj)] = ident = len(memo)
         keep.append(obj)
         flat = []
-        for name, v in attributes(obj).items():
-            flat.append(name)
+        for attribute, v in attributes(obj).items():
+            flat.append(name(attribute))
             flat.append(tree(v, depth + 1))
-        return ["o", ident, tag, flat]
+        return ["o", ident, name(tag), flat]
 
-    return msgspec.msgpack.encode(tree(value, 0))
+    root = tree(value, 0)
+    return msgspec.msgpack.encode([FORMAT, list(blobs), list(names), root])
 
 
 def decode(blob: bytes, table: Table) -> Any:
@@ -118,13 +138,39 @@ def decode(blob: bytes, table: Table) -> Any:
         raw = msgspec.msgpack.decode(blob)
     except (msgspec.DecodeError, RecursionError) as exc:  # msgspec bounds nesting with RecursionError
         raise StateError(f"not a state blob: {exc}") from None
-    objects: dict[int, Any] = {}
+    if not (type(raw) is list and len(raw) == 4 and raw[0] == FORMAT and type(raw[1]) is list
+            and type(raw[2]) is list and all(type(b) is bytes for b in raw[1])
+            and all(type(n) is str for n in raw[2])):
+        raise StateError(f"not a state blob of format {FORMAT}")
+    context = _Context(table, raw[1], raw[2])
     try:
-        return _build(raw, table, objects, 0)
+        return _build(raw[3], context, 0)
     except StateError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as exc:
         raise StateError(f"the state does not rebuild: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass
+class _Context:
+    table: Table
+    blobs: list[bytes]
+    names: list[str]
+    objects: dict[int, Any] = field(default_factory=dict)
+
+    def name(self, index: Any) -> str:
+        if type(index) is not int or not 0 <= index < len(self.names):
+            raise StateError(f"name {index!r} is not in the blob's names")
+        return self.names[index]
+
+    def entry(self, index: Any, kind: str | None = None) -> Entry:
+        tag = self.name(index)
+        entry = self.table.get(tag)
+        if entry is None:
+            raise StateError(f"class tag {tag!r} is not in the snapshot table")
+        if kind is not None and entry.kind != kind:
+            raise StateError(f"{tag} is a {entry.kind}, not a {kind}")
+        return entry
 
 
 def _items(node: list[Any], size: int) -> list[Any]:
@@ -139,17 +185,8 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
-def _entry(table: Table, tag: Any, kind: str | None = None) -> Entry:
-    entry = table.get(tag) if isinstance(tag, str) else None
-    if entry is None:
-        raise StateError(f"class tag {tag!r} is not in the snapshot table")
-    if kind is not None and entry.kind != kind:
-        raise StateError(f"{tag} is a {entry.kind}, not a {kind}")
-    return entry
-
-
-def _build(node: Any, table: Table, objects: dict[int, Any], depth: int) -> Any:
-    if type(node) in _PLAIN:
+def _build(node: Any, context: _Context, depth: int) -> Any:
+    if type(node) in _PLAIN and type(node) is not bytes:
         return node
     if depth > MAX_DEPTH:
         raise StateError(f"state nested deeper than {MAX_DEPTH}")
@@ -158,8 +195,13 @@ def _build(node: Any, table: Table, objects: dict[int, Any], depth: int) -> Any:
     kind, depth = node[0], depth + 1
 
     def each(values: Any) -> list[Any]:
-        return [_build(v, table, objects, depth) for v in _list(values, f"a {kind!r} node's items")]
+        return [_build(v, context, depth) for v in _list(values, f"a {kind!r} node's items")]
 
+    if kind == "b":
+        index = _items(node, 2)[1]
+        if type(index) is not int or not 0 <= index < len(context.blobs):
+            raise StateError(f"bytes {index!r} are not in the blob's table")
+        return context.blobs[index]
     if kind in ("l", "t", "s", "f"):
         items = each(_items(node, 2)[1])
         return items if kind == "l" else tuple(items) if kind == "t" else set(items) if kind == "s" \
@@ -177,40 +219,39 @@ def _build(node: Any, table: Table, objects: dict[int, Any], depth: int) -> Any:
         return collections.deque(each(values), maxlen)
     if kind == "r":
         ident = _items(node, 2)[1]
-        if type(ident) is not int or ident not in objects:
+        if type(ident) is not int or ident not in context.objects:
             raise StateError(f"a reference to object {ident!r}, not written before it")
-        return objects[ident]
+        return context.objects[ident]
     if kind == "c":
-        return _entry(table, _items(node, 2)[1]).cls
+        return context.entry(_items(node, 2)[1]).cls
     if kind == "e":
         _, tag, member = _items(node, 3)
-        cls = _entry(table, tag, "enum").cls
+        cls = context.entry(tag, "enum").cls
         if not isinstance(member, str) or not issubclass(cls, enum.Enum) or member not in cls.__members__:
-            raise StateError(f"{tag} has no member {member!r}")
+            raise StateError(f"{cls.__qualname__} has no member {member!r}")
         return cls.__members__[member]
     if kind == "a":
-        _, tag, name = _items(node, 3)
-        entry = _entry(table, tag)
-        if name not in entry.singletons:
-            raise StateError(f"{tag} has no instance named {name!r}")
-        return getattr(entry.cls, name)
+        _, tag, singleton = _items(node, 3)
+        entry = context.entry(tag)
+        if singleton not in entry.singletons:
+            raise StateError(f"{entry.cls.__qualname__} has no instance named {singleton!r}")
+        return getattr(entry.cls, singleton)
     if kind == "n":
         _, tag, values = _items(node, 3)
-        cls = _entry(table, tag, "tuple").cls
-        return cls(*each(values))
+        return context.entry(tag, "tuple").cls(*each(values))
     if kind == "o":
         _, ident, tag, flat = _items(node, 4)
-        entry = _entry(table, tag, "object")
-        if type(ident) is not int or ident in objects:
+        entry = context.entry(tag, "object")
+        if type(ident) is not int or ident in context.objects:
             raise StateError(f"object id {ident!r} is not new")
-        flat = _list(flat, f"{tag}'s attributes")
-        names = flat[::2]
+        flat = _list(flat, f"{entry.cls.__qualname__}'s attributes")
+        names = [context.name(i) for i in flat[::2]]
         if len(flat) % 2 or set(names) != entry.names or len(names) != len(entry.names):
-            raise StateError(f"{tag}'s attributes {sorted(map(str, names))} are not the ones its class sets "
-                             f"({sorted(entry.names)})")
+            raise StateError(f"{entry.cls.__qualname__}'s attributes {sorted(names)} are not the ones its class "
+                             f"sets ({sorted(entry.names)})")
         obj: Any = entry.cls.__new__(entry.cls)  # type: ignore[call-overload]  # every table class makes one so
-        objects[ident] = obj  # before its attributes: they may refer back to it
-        for name, value in zip(names, flat[1::2], strict=True):
-            object.__setattr__(obj, name, _build(value, table, objects, depth))
+        context.objects[ident] = obj  # before its attributes: they may refer back to it
+        for attribute, value in zip(names, flat[1::2], strict=True):
+            object.__setattr__(obj, attribute, _build(value, context, depth))
         return obj
     raise StateError(f"unknown node kind {kind!r}")

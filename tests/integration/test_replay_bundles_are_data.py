@@ -91,13 +91,13 @@ def test_names_in_a_bundle_select_nothing_outside_its_tables(managers: list, tmp
     def crafted(name: str, **changes: object) -> Path:
         return _rewrite(real, None, msgspec.msgpack.encode({**window, **changes}), tmp_path / f"{name}.zip")
 
-    os_system = msgspec.msgpack.encode(["o", 0, "os:system", []])
+    os_system = state_blob(["os:system"], ["o", 0, 0, []])
     assert "not in the snapshot table" in _error(crafted("state-os", state=os_system))
-    as_class = msgspec.msgpack.encode(["c", "builtins:eval"])
+    as_class = state_blob(["builtins:eval"], ["c", 0])
     assert "not in the snapshot table" in _error(crafted("class-eval", state=as_class))
     # an attribute the class does not set (a method's name, a dunder) is refused, not set
     manager_tag = next(tag for tag, entry in table.items() if entry.cls is compat.CPUOffloadingManager)
-    dunder = msgspec.msgpack.encode(["o", 0, manager_tag, ["__class__", ["c", manager_tag]]])
+    dunder = state_blob([manager_tag, "__class__"], ["o", 0, 0, [1, ["c", 0]]])
     assert "are not the ones its class sets" in _error(crafted("dunder", state=dunder))
     calls = window["calls"]
     for method in ("__class__", "__reduce_ex__", "shutdown", "take_events", "_free_chunk"):
@@ -111,7 +111,7 @@ def test_names_in_a_bundle_select_nothing_outside_its_tables(managers: list, tmp
 
     wrong_kind = one_call(method, [["x", os_system], *args[1:]], None, answer)
     assert "lookup's key argument is 'x'" in _error(crafted("wrong-kind", calls=wrong_kind))
-    keyword = msgspec.msgpack.encode(["d", ["cache_policy_module_path", "os"]])
+    keyword = state_blob([], ["d", ["cache_policy_module_path", "os"]])
     assert "keywords" in _error(crafted("keyword", calls=one_call(method, args, keyword, answer)))
     beyond = one_call(method, [["k", 10**6], *args[1:]], None, answer)
     assert "lookup's key argument is 'k'" in _error(crafted("beyond", calls=beyond))
@@ -138,11 +138,21 @@ def test_every_mutation_of_a_real_bundle_is_refused_or_replayed(managers: list, 
     assert outcomes["refused"] > 0 and sum(outcomes.values()) == 300, outcomes
 
 
+def state_blob(names: list[str], tree: object, blobs: list[bytes] | None = None) -> bytes:
+    """A state blob as kvobs.state_codec writes one: its format, bytes table, names and tree."""
+    return msgspec.msgpack.encode([1, blobs or [], names, tree])
+
+
 def test_state_blobs_are_refused_with_a_state_error_whatever_their_bytes() -> None:
+    lookup_result = "vllm.v1.kv_offload.base:LookupResult"
+    deep: object = None
+    for _ in range(100):  # within msgspec's nesting, beyond the codec's MAX_DEPTH
+        deep = ["l", [deep]]
     for blob in (b"", b"\xc1", b"\x91" * 5000 + b"\xc0", msgspec.msgpack.encode(["l"] * 3),
-                 msgspec.msgpack.encode(["s", [["l", []]]]), msgspec.msgpack.encode(["r", 7]),
-                 msgspec.msgpack.encode(["d", [1]]), msgspec.msgpack.encode(["q", [], -1]),
-                 msgspec.msgpack.encode(["e", "vllm.v1.kv_offload.base:LookupResult", "__class__"])):
+                 state_blob([], ["s", [["l", []]]]), state_blob([], ["r", 7]), state_blob([], ["d", [1]]),
+                 state_blob([], ["q", [], -1]), state_blob([lookup_result], ["e", 0, "__class__"]),
+                 state_blob([], ["b", 3], [b"k"]), state_blob([], ["e", 5, "HIT"]),
+                 msgspec.msgpack.encode([2, [], [], None]), state_blob([], deep)):
         with pytest.raises(StateError):
             compat.decode_value(blob)
 
