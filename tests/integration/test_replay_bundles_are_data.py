@@ -124,7 +124,7 @@ def test_every_mutation_of_a_real_bundle_is_refused_or_replayed(managers: list, 
     blob = zipfile.ZipFile(real).read(WINDOW)
     rng = random.Random(40)
     outcomes = {"refused": 0, "replayed": 0}
-    for i in range(300):
+    for _ in range(300):
         data = bytearray(blob)
         for _ in range(rng.randint(1, 4)):
             position = rng.randrange(len(data))
