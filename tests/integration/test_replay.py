@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 import kvobs
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.cli import main as kvobs_main
-from kvobs.vllm import ObservedOffloadingManager, compat
+from kvobs.vllm import ObservedOffloadingManager
 from kvobs.vllm.flight_recorder import write_bundle
 from kvobs.vllm.replay import ReplayError, load, minimize, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
