@@ -54,7 +54,9 @@ in all four releases).
 
 :func:`check` verifies all of it on a live manager before kvobs touches anything, and raises
 :class:`ProtocolMismatch` naming what is missing: the plugin then steps aside
-(``kvobs.vllm.spec``) and ``kvobs.observe()`` raises it.
+(``kvobs.vllm.spec``) and ``kvobs.observe()`` raises it. What a release adds to ``OffloadingManager``
+that :data:`PROTOCOL` has no row for (:func:`unknown_attributes`) is no mismatch: the wrapper forwards
+it to the inner manager, unobserved, unless it cannot (:func:`check` says which).
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ class Method(NamedTuple):
     """In every supported release: the wrapper's class has it (a method kvobs's taps answer through
     the class too). False: only some releases have it (``get_load_source``: 0.32 and later;
     ``on_reset_flushed``, ``config_info``: 0.33 and later; ``touch``: up to 0.33), an instance
-    attribute only, set when the inner manager has it, so the wrapper has exactly the inner
-    manager's methods."""
+    attribute set when the inner manager has it, so the wrapper has exactly the inner manager's
+    methods, and a class method where the running release's base class has it
+    (``kvobs.vllm.manager._forward_unknown``)."""
     recorded: tuple[str, ...] | None = None
     """For the flight recorder (kvobs/flight.py), what each positional argument is in every release: a key
     (``key``), a collection of keys (``keys``), a request context (``req``) or something else (``""``, kept
@@ -173,7 +176,8 @@ PROTOCOL: tuple[Method, ...] = (
 """Every ``OffloadingManager`` method of 0.30-0.34 (``lock``, a property of 0.33 and 0.34, aside), in vLLM's
 order: the one place kvobs writes the manager protocol down. ``kvobs.vllm.manager`` builds the
 wrapper's taps and class methods from it; :func:`check` checks it against vLLM's abstract methods and
-binds the tapped call shapes. A method vLLM adds is one row here."""
+binds the tapped call shapes. A method vLLM adds is one row here; until it has one, the wrapper forwards
+it to the inner manager unobserved (:func:`unknown_attributes`)."""
 CALL_ARGS: dict[str, tuple[str, ...]] = {row.name: row.recorded for row in PROTOCOL if row.recorded is not None}
 """The calls the flight recorder keeps and what each argument is (``Method.recorded``); kvobs/flight.py
 encodes a window's keys and requests by it, kvobs.vllm.replay decodes it."""
@@ -184,8 +188,61 @@ PROTOCOL_BY_NAME: dict[str, Method] = {row.name: row for row in PROTOCOL}
 
 
 def unknown_abstract_methods(cls: type[Any] = OffloadingManager) -> list[str]:
-    """The abstract methods of vLLM's ``OffloadingManager`` (or ``cls``) that :data:`PROTOCOL` has no row for."""
+    """The abstract methods of vLLM's ``OffloadingManager`` (or ``cls``) that :data:`PROTOCOL` has no row for
+    (the wrapper forwards them, as every other :func:`unknown_attributes`)."""
     return sorted(name for name in getattr(cls, "__abstractmethods__", ()) if name not in PROTOCOL_BY_NAME)
+
+
+KNOWN_ATTRIBUTES = ("lock",)
+"""``OffloadingManager`` attributes kvobs knows that are no :data:`PROTOCOL` row: ``lock``, a property the
+wrapper forwards itself (0.33 and later)."""
+WRAPPER_NAMES = ("observer", "inner", "survival", "cpu_policy")
+"""The wrapper's own public attributes (kvobs.vllm.manager): a vLLM whose ``OffloadingManager`` has one of
+these names would get kvobs's answer instead of its manager's, so :func:`check` refuses it."""
+_NOT_FORWARDED = ("_abc_impl",)  # ABC's bookkeeping, the class's own
+
+
+def unknown_attributes(cls: type[Any] = OffloadingManager) -> list[str]:
+    """What vLLM's ``OffloadingManager`` (or ``cls``) defines, or inherits short of ``object``, that kvobs has
+    no :data:`PROTOCOL` row for (``lock`` and dunder names aside): a method with a default body a release
+    adds (as ``get_load_source`` came in 0.32), an abstract one, a property or a class attribute. The
+    wrapper (a subclass of ``OffloadingManager``) would answer such a name with the base class's default;
+    it forwards each to the inner manager instead, unobserved (``kvobs doctor`` lists them)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is not object:
+            names.update(n for n in vars(klass) if not (n.startswith("__") and n.endswith("__")))
+    skip = {*PROTOCOL_BY_NAME, *KNOWN_ATTRIBUTES, *_NOT_FORWARDED}
+    return sorted(names - skip)
+
+
+def is_method(attribute: Any) -> bool:
+    """Whether a class attribute (as ``inspect.getattr_static`` reads it) is a method: a function, a
+    ``classmethod``, a ``staticmethod`` or another non-data descriptor that is callable once bound; a
+    property, any other data descriptor and a plain value are data."""
+    if inspect.isfunction(attribute) or isinstance(attribute, (classmethod, staticmethod)):
+        return True
+    kind = type(attribute)
+    return hasattr(kind, "__get__") and not hasattr(kind, "__set__") and callable(attribute)
+
+
+def unknown_methods(cls: type[Any] = OffloadingManager) -> list[str]:
+    """The methods among :func:`unknown_attributes`: forwarded as the inner manager's own bound methods."""
+    return [name for name in unknown_attributes(cls) if is_method(inspect.getattr_static(cls, name))]
+
+
+def _unforwardable(manager: OffloadingManager) -> list[str]:
+    """Methods of vLLM's ``OffloadingManager`` kvobs has no row for that ``manager`` makes data (an instance
+    value or a property): a bound method of the inner manager, set on the wrapper, could not stand for them."""
+    out = []
+    for name in unknown_methods():
+        try:
+            own = inspect.getattr_static(manager, name)
+        except AttributeError:
+            continue
+        if not (is_method(own) or (name in getattr(manager, "__dict__", {}) and callable(own))):
+            out.append(name)
+    return out
 
 
 class ProtocolMismatch(Exception):
@@ -248,10 +305,14 @@ def check(manager: OffloadingManager) -> None:
     """Raise ProtocolMismatch unless kvobs knows everything it reads of ``manager``."""
     if CPUOffloadingManager is None:
         raise ProtocolMismatch(f"vLLM {VLLM_VERSION} has no vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager")
-    unknown = unknown_abstract_methods()
-    if unknown:
-        raise ProtocolMismatch(f"vLLM {VLLM_VERSION}'s OffloadingManager has abstract methods kvobs does not "
-                               f"know: {', '.join(unknown)}")
+    clash = sorted(set(unknown_attributes()) & set(WRAPPER_NAMES))
+    if clash:
+        raise ProtocolMismatch(f"vLLM {VLLM_VERSION}'s OffloadingManager has {', '.join(clash)}, a name kvobs's "
+                               "wrapper uses for its own")
+    data = _unforwardable(manager)
+    if data:
+        raise ProtocolMismatch(f"{type(manager).__name__} makes {', '.join(data)} data, a method of vLLM "
+                               f"{VLLM_VERSION}'s OffloadingManager that kvobs does not know: kvobs cannot forward it")
     for row in PROTOCOL:
         name, args = row.name, row.args
         if row.tap in ("pass", "shutdown") or args is None:

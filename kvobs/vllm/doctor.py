@@ -9,7 +9,9 @@ It answers, in a few lines, the questions the plugin answers only once an engine
   nothing is written or dialled), exactly as ``ObservedOffloadingSpec`` builds it
   (:func:`kvobs.vllm.spec.split_config`, then the inner spec's ``get_manager()``), then checked by
   :func:`kvobs.vllm.compat.check` and wrapped as the plugin wraps it (without a directory); what would
-  make the plugin step aside is named (``compat.ProtocolMismatch``'s text);
+  make the plugin step aside is named (``compat.ProtocolMismatch``'s text); what vLLM's ``OffloadingManager``
+  has that kvobs does not know (a method a newer release added) is listed: the wrapper forwards it to the
+  inner manager unobserved (``compat.unknown_attributes``);
 * the ``--kv-transfer-config`` JSON itself: vLLM's own ``KVTransferConfig`` validates it as ``vllm
   serve`` does, the connector and spec must be kvobs's (README, "Plug into vllm serve"), and the kvobs
   options are parsed by the plugin's own parser, so a bad one fails with the plugin's start-up error;
@@ -285,7 +287,24 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
     else:
         report.say("observes", f"yes, its calls only: kvobs does not know the CPU tier of {name} ({built}), so its "
                    "evictions are not recorded")
+    if observed.observes:
+        _forwarded(name, report)
     return observed
+
+
+def _forwarded(manager: str, report: Report) -> None:
+    """What the wrapper hands the inner manager without observing it: every name of vLLM's ``OffloadingManager``
+    kvobs has no ``compat.PROTOCOL`` row for (none on a tested release)."""
+    names = compat.unknown_attributes()
+    methods = set(compat.unknown_methods())
+    abstract = set(compat.unknown_abstract_methods())
+    report.data["forwarded_unobserved"] = {"methods": [n for n in names if n in methods], "abstract": sorted(abstract),
+                                           "other": [n for n in names if n not in methods]}
+    if names:
+        shown = ", ".join(f"{n}()" + (" (abstract)" if n in abstract else "") if n in methods else n for n in names)
+        report.say("forwarded", f"unobserved: {shown}: vLLM {compat.VLLM_VERSION}'s OffloadingManager has them and "
+                   f"kvobs does not know them; the wrapper hands each to {manager}'s own, and kvobs records "
+                   "nothing of those calls")
 
 
 def _not_checked(report: Report, detail: str, status: int) -> Observed:

@@ -102,7 +102,9 @@ def _header(manager: OffloadingManager, observer: Observer, window: FlightWindow
         "created": time.time(),
         "options": {"flight_calls": options.flight_calls, "flight_bytes": options.flight_bytes},
         "snapshots": 0 if window is None else window.snapshots,
-        "limits": list(LIMITS),
+        "limits": list(LIMITS) + [f"vLLM's manager has methods kvobs forwards unrecorded ({', '.join(forwarded)}): "
+                                  "a replay does not make those calls" for forwarded in [compat.unknown_methods()]
+                                  if forwarded],
     }
 
 

@@ -22,6 +22,17 @@ around it, each handed out so that it introspects as the inner method (``inspect
 ``functools.wraps``, ``mock.create_autospec``: :mod:`kvobs.vllm.signatures`). Only ``prepare_load``
 ever raises something kvobs touched: vLLM's own AssertionError, the same object, with the
 explanation appended.
+
+What kvobs does not know reaches the inner manager all the same. The wrapper is a subclass of vLLM's
+``OffloadingManager``, so a method with a default body that a release adds to it (as ``get_load_source``
+came in 0.32), an abstract one, a property or a class attribute would be answered by the base class,
+not by the inner manager's override. Every such name (``compat.unknown_attributes``) is forwarded,
+unobserved: a method is the inner manager's own bound method on the instance (nothing per call) and a
+forwarding method on the class (which also keeps the class concrete when the method is abstract),
+anything else a property reading the inner manager's. The class follows vLLM's base class each time a
+manager is wrapped (:func:`_forward_unknown`). ``kvobs doctor`` lists what is forwarded so; fields vLLM
+adds to what kvobs reads (``ReqContext``, ``PrepareStoreOutput``, ``OffloadingEvent``, a new
+``LookupResult``) pass through untouched: kvobs hands on the same objects.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Collection, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import OffloadingManager
 
@@ -79,6 +91,10 @@ def _taps(inner: OffloadingManager, observer: Observer, load_failed: Callable[..
             taps[name] = rec.call_tap(method, path=path, name=name)
         else:
             raise compat.ProtocolMismatch(f"compat.PROTOCOL: {name} has an unknown tap kind {kind!r}")
+    for name in compat.unknown_methods():  # a method kvobs has no row for: the inner manager's own (compat.check)
+        method = getattr(inner, name, None)
+        if callable(method):
+            taps[name] = method
     api = vllm_metrics.stats_api(observer.options)  # None unless the vllm_metrics option is on
     if api is not None and "get_stats" in taps:
         taps["get_stats"] = vllm_metrics.StatsTap(inner.get_stats, observer, api[1])
@@ -102,19 +118,83 @@ def _class_method(name: str, takes_arguments: bool) -> Callable[..., Any]:
     return method
 
 
+def _unknown_method(name: str) -> Callable[..., Any]:
+    """The wrapper's class method for a method of vLLM's ``OffloadingManager`` that kvobs has no
+    ``compat.PROTOCOL`` row for: the inner manager's, unobserved (an instance's own bound method of the inner
+    manager shadows it, as for a pass-through row)."""
+    def forwarding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._kvobs_inner, name)(*args, **kwargs)
+
+    forwarding.__name__ = name
+    forwarding.__qualname__ = f"ObservedOffloadingManager.{name}"
+    forwarding.__doc__ = f"The inner manager's ``{name}``, forwarded unobserved (not in ``compat.PROTOCOL``)."
+    forwarding.__signature__ = class_signature(OffloadingManager, name)  # type: ignore[attr-defined]
+    return forwarding
+
+
+def _unknown_data(name: str) -> property:
+    """The wrapper's property for data of vLLM's ``OffloadingManager`` kvobs does not know: the inner
+    manager's (setting and deleting it reach the inner manager through the wrapper's ``__setattr__`` and
+    ``__delattr__``)."""
+    return property(attrgetter(f"_kvobs_inner.{name}"),
+                    doc=f"The inner manager's ``{name}``, forwarded unobserved (not in ``compat.PROTOCOL``).")
+
+
+def _forwarder(name: str, attribute: Any) -> Any:
+    """What the wrapper's class has for vLLM's base-class ``attribute`` called ``name``, a release-only
+    ``compat.PROTOCOL`` row or a name kvobs does not know (``compat.unknown_attributes``); None: nothing, the
+    base class's own is right (a class- or staticmethod: on the instance it is the inner manager's)."""
+    row = compat.PROTOCOL_BY_NAME.get(name)
+    if row is not None:
+        return _class_method(name, row.args != () or bool(row.keywords))
+    if isinstance(attribute, (classmethod, staticmethod)):
+        return _unknown_method(name) if getattr(attribute, "__isabstractmethod__", False) else None
+    return _unknown_method(name) if compat.is_method(attribute) else _unknown_data(name)
+
+
+def _forward_unknown(cls: type[ObservedOffloadingManager]) -> None:
+    """Make the wrapper's class answer, with the inner manager's, every name of vLLM's ``OffloadingManager``
+    it would otherwise answer with the base class's default: the ``compat.PROTOCOL`` rows only some releases
+    have, when this one has them, and every name kvobs has no row for (``compat.unknown_attributes``).
+    Follows the base class as it is now (a name gone is taken back) and keeps the class concrete; called
+    when the class is made and each time a manager is wrapped (cheap when nothing changed)."""
+    wanted = {row.name: inspect.getattr_static(OffloadingManager, row.name) for row in compat.PROTOCOL
+              if not row.everywhere and hasattr(OffloadingManager, row.name)}
+    wanted.update((name, inspect.getattr_static(OffloadingManager, name)) for name in compat.unknown_attributes())
+    done = cls._kvobs_forwarded
+    if done.keys() == wanted.keys() and all(done[name] is wanted[name] for name in wanted):
+        return
+    for name in [name for name in done if name not in wanted or done[name] is not wanted[name]]:
+        del done[name]
+        if name in vars(cls):
+            delattr(cls, name)
+    for name, attribute in wanted.items():
+        if name in done or name in vars(cls):  # kvobs's own name (compat.check refuses a vLLM that has it)
+            continue
+        done[name] = attribute
+        forwarder = _forwarder(name, attribute)
+        if forwarder is not None:
+            setattr(cls, name, forwarder)
+    abc.update_abstractmethods(cls)
+
+
 def _protocol_methods(cls: type[ObservedOffloadingManager]) -> type[ObservedOffloadingManager]:
     """Give the wrapper's class a method for every ``compat.PROTOCOL`` row every release has (its own
-    ``shutdown`` aside), and recompute what it leaves abstract (none, ``compat.check`` makes sure)."""
+    ``shutdown`` aside), forward what the rest of vLLM's base class has (:func:`_forward_unknown`), and
+    recompute what it leaves abstract (nothing)."""
     for row in compat.PROTOCOL:
         if row.everywhere and row.tap != "shutdown":
             setattr(cls, row.name, _class_method(row.name, row.args != () or bool(row.keywords)))
-    abc.update_abstractmethods(cls)
+    _forward_unknown(cls)
     return cls
 
 
 @_protocol_methods
 class ObservedOffloadingManager(OffloadingManager):
     """Wraps ``inner``; same results, same exceptions, same events, plus evidence (see the module)."""
+
+    _kvobs_forwarded: ClassVar[dict[str, Any]] = {}
+    """What :func:`_forward_unknown` forwards: each name, with the base-class attribute it stands for."""
 
     def __init__(self, inner: OffloadingManager, observer: Observer) -> None:
         put = object.__setattr__
@@ -176,7 +256,9 @@ class ObservedOffloadingManager(OffloadingManager):
     @classmethod
     def _kvobs_wrap(cls, inner: OffloadingManager, observer: Observer) -> ObservedOffloadingManager:
         """``cls(inner, observer)``; for the type checker, which cannot see the class methods
-        ``@_protocol_methods`` sets, the one place it is instantiated."""
+        ``@_protocol_methods`` sets, the one place it is instantiated. The class first follows vLLM's base
+        class (:func:`_forward_unknown`)."""
+        _forward_unknown(cls)
         return cls(inner, observer)
 
     def _kvobs_copy_options(self) -> Any:
@@ -205,8 +287,10 @@ class ObservedOffloadingManager(OffloadingManager):
     # -- OffloadingManager, called through the class ---------------------------------
     # Every method of compat.PROTOCOL that every release has is a class method too, answered by its
     # tap (set by @_protocol_methods). Methods only some releases have (get_load_source,
-    # on_reset_flushed, config_info) are instance attributes only, set when the inner manager has
-    # them: the wrapper has exactly the inner manager's methods.
+    # on_reset_flushed, config_info, touch) are instance attributes, set when the inner manager has
+    # them (the wrapper has exactly the inner manager's methods), and class methods where this
+    # release's base class has them; so is every method vLLM's base class has that kvobs has no row
+    # for, forwarded unobserved (_forward_unknown).
 
     # The inner manager's lock, read without a Python frame (vLLM takes it every step).
     lock = property(attrgetter("_kvobs_inner.lock"), doc="The inner manager's lock (never entered by kvobs).")

@@ -82,7 +82,7 @@ def observe_or_step_aside(inner: OffloadingManager, options: Options) -> Offload
     from kvobs.vllm.observe import observe_with_options
 
     try:
-        return observe_with_options(inner, options)
+        observed = observe_with_options(inner, options)
     except Exception as exc:
         reason = "unsupported_vllm" if isinstance(exc, compat.ProtocolMismatch) else "error"
         logger.warning(
@@ -97,6 +97,12 @@ def observe_or_step_aside(inner: OffloadingManager, options: Options) -> Offload
             except Exception as fault:  # nothing kvobs does may stop the engine
                 logger.warning("kvobs could not say so in %s either: %r", options.dir, fault)
         return inner
+    unknown = compat.unknown_attributes()
+    if unknown:  # a newer release's methods: vLLM's manager answers them, kvobs records nothing of them
+        logger.warning("kvobs observes %s on vLLM %s, but not %s: vLLM's OffloadingManager has them and kvobs does "
+                       "not know them; they reach the inner manager unobserved (kvobs doctor lists them)",
+                       type(inner).__name__, compat.VLLM_VERSION, ", ".join(unknown))
+    return observed
 
 
 class ObservedOffloadingSpec(OffloadingSpec):

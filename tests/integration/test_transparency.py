@@ -214,11 +214,11 @@ def test_every_method_of_vllms_manager_has_a_row_in_the_protocol_table() -> None
                if not name.startswith("_") and callable(value)}
     assert methods <= set(compat.PROTOCOL_BY_NAME), methods - set(compat.PROTOCOL_BY_NAME)
     assert all(row.tap in compat.TAP_KINDS for row in compat.PROTOCOL)
-    # The wrapper's class is concrete, and has exactly the rows every release has (lock: a property).
+    # The wrapper's class is concrete, and has exactly the rows this release's base class has (lock: a property).
     assert not ObservedOffloadingManager.__abstractmethods__
     for row in compat.PROTOCOL:
         own = vars(ObservedOffloadingManager).get(row.name)
-        assert callable(own) == row.everywhere, row.name
+        assert callable(own) == (row.everywhere or hasattr(OffloadingManager, row.name)), row.name
 
     class NewAbstract(OffloadingManager):
         @abc.abstractmethod
