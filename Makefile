@@ -177,6 +177,16 @@ bench-engine: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --json bench-results/engine.json
 	$(PY) -m benchmarks.engine --engine-python .venv-cpu-0.32.0/bin/python --runs 8 --attribute --json bench-results/engine-attribution.json
 
+# Coverage-guided fuzzing (atheris) of every reader of outside bytes: the wire decoder, failure reports, replay
+# bundles, kvobs explain's log parser, the sidecar's request handling (tests/fuzz/run.py), each target FUZZ_SECONDS;
+# a crash's input lands in tests/fuzz/crashes/<target>/ (a regression input). `make test` runs each for
+# KVOBS_FUZZ_SECONDS (tests/fuzz/test_fuzz.py; default 10) and replays every committed input.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?=
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(PY) -m tests.fuzz.run --seconds $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
 # A long randomized soak of the production shape, kvobs beside a bare engine (benchmarks/soak.py; docs/reliability.md,
 # "Soak"): make soak DURATION=2h [SOAK_ARGS=--defects]; the samples and checks also in bench-results/soak.json.
 DURATION ?= 2h

@@ -15,6 +15,7 @@ import json
 import os
 import time
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,8 @@ def read_header(path: str) -> dict[str, Any]:
     try:
         with zipfile.ZipFile(path) as bundle:
             header = json.loads(_member(bundle, HEADER, MAX_HEADER_BYTES))
-    except (OSError, zipfile.BadZipFile, KeyError, ValueError, EOFError, RuntimeError, NotImplementedError,
-            RecursionError) as exc:
+    except (OSError, zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError, RuntimeError,
+            NotImplementedError, RecursionError) as exc:
         raise ValueError(f"{path}: not a kvobs replay bundle ({type(exc).__name__}: {exc})") from None
     found = header.get("format") if isinstance(header, dict) else None
     if not isinstance(header, dict) or found != BUNDLE_FORMAT:
@@ -143,6 +144,6 @@ def read_window(path: str, limit: int) -> bytes:
             return _member(bundle, WINDOW, limit)
     except KeyError:
         raise ValueError(f"{path}: the bundle holds no window to replay") from None
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, RuntimeError, NotImplementedError) as exc:
+    except (OSError, zipfile.BadZipFile, zlib.error, ValueError, EOFError, RuntimeError, NotImplementedError) as exc:
         raise ValueError(f"{path}: the window does not read ({type(exc).__name__}: {exc})") from None
 

@@ -21,6 +21,9 @@ round runs in the ingest thread, not before the server starts). Kubernetes's liv
 /healthz: restarting the sidecar for a slow ingest would not make it read faster, and while a
 container restarts its pod is not Ready, which takes vLLM out of its Service.
 
+``GET /api/v1/openapi.json``: the OpenAPI 3 document of every endpoint (kvobs/sidecar/openapi.json), open
+like /metrics.
+
 ``GET /api/v1/failures/<id>``: one report as the list serves it (404 if there is none of that id); the
 sidecar's log line of each failure names it.
 
@@ -58,20 +61,24 @@ connection slot for as long as it likes), request lines and headers capped by
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hmac
 import io
 import json
+import logging
 import math
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -88,6 +95,8 @@ from kvobs.sidecar.query import DEFAULT_FAILURES, FAILURES_PATH, QueryError, par
 from kvobs.sidecar.replays import REPLAYS_PATH
 from kvobs.wire.decode import Report, read_report, report_files
 from kvobs.wire.format import FAILURES_DIR, REPORT_ID, REPORT_SUFFIX, report_time_ms
+
+logger = logging.getLogger("kvobs.sidecar")
 
 MAX_CONNECTIONS = 32
 SOCKET_TIMEOUT_S = 10.0
@@ -258,6 +267,19 @@ def one_report(failures_dir: Path, report_id: str) -> dict[str, Any] | None:
 
 HEALTHZ_UNREADABLE = 20
 """Paths /healthz names at most (``unreadable_files`` counts them all)."""
+OPENAPI_PATH = "/api/v1/openapi.json"
+"""The OpenAPI 3 document of every endpoint (kvobs/sidecar/openapi.json; tests/integration/test_openapi.py checks
+the running server against it with schemathesis)."""
+
+
+@functools.cache
+def openapi_document() -> bytes:
+    """kvobs/sidecar/openapi.json (package data), its ``info.version`` this kvobs's."""
+    from kvobs import __version__
+
+    document = json.loads(resources.files("kvobs.sidecar").joinpath("openapi.json").read_bytes())
+    document["info"]["version"] = __version__
+    return json.dumps(document, indent=1).encode()
 
 
 def listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
@@ -317,6 +339,18 @@ class SidecarServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """What a request's handling raised, through kvobs's logger (so ``--log-format json`` holds: never
+        socketserver's raw traceback on standard error). A client gone mid-response (a scraper's timeout, a
+        dropped bundle download) is not the sidecar's fault: said at debug level; anything else at error,
+        its traceback in the line (kvobs/sidecar/logs.py's ``exception`` field)."""
+        exc = sys.exc_info()[1]
+        client = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
+        if isinstance(exc, ConnectionError | TimeoutError):  # broken pipe, reset, aborted; a stalled client
+            logger.debug("kvobs sidecar: client %s went away mid-response: %r", client, exc)
+            return
+        logger.error("kvobs sidecar: a request from %s failed: %r", client, exc, exc_info=exc is not None)
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -381,7 +415,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         if url.path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            try:
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            except (TypeError, ValueError):  # a version it cannot compare ("version=1.0.0c"; tests/fuzz/crashes/)
+                encoder, content_type = choose_encoder("")  # the Prometheus text every scraper reads
             body = encoder(_restricted(self.server.registry, url.query))
             gzipped = _accepts_gzip(self.headers.get("Accept-Encoding", ""))
             self._send(HTTPStatus.OK, gzip.compress(body, compresslevel=5) if gzipped else body, content_type, gzipped)
@@ -439,10 +476,12 @@ class Handler(BaseHTTPRequestHandler):
             path = replays.bundle_path(self.server.ingest.dir, bundle_id)
             if path is None or not self._send_file(path, "application/zip"):
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no bundle {bundle_id[:200]!r} (ids: {REPLAYS_PATH})"})
+        elif url.path == OPENAPI_PATH:
+            self._send(HTTPStatus.OK, openapi_document(), "application/json")
         elif url.path == "/":
             self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures",
                                                      "/api/v1/failures/<id>", REPLAYS_PATH, "POST " + REPLAYS_PATH,
-                                                     REPLAYS_PATH + "/<id>"]})
+                                                     REPLAYS_PATH + "/<id>", OPENAPI_PATH]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
 

@@ -1,0 +1,47 @@
+"""Target ``bundle``: a replay bundle file through ``kvobs.vllm.replay.load`` (``kvobs replay``'s reader),
+and through the sidecar's listing of bundles (``kvobs.sidecar.replays.listing``, GET /api/v1/replays).
+
+The input is read twice: as the whole bundle file, and as the window of a bundle whose header is a real
+replayable one's (corpus/bundle/bundle-2) zipped around it, so that mutations reach the window's decoder
+past the zip's CRC and the header's checks.
+
+Contract: ``load`` raises only ``kvobs.vllm.replay.ReplayError``; ``listing`` raises nothing (a bundle it
+cannot read is left out). The target goes through these public functions only, so it outlives the bundle
+format's change (format 1 held a pickle; format 2, MessagePack of plain values)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import zipfile
+from pathlib import Path
+
+from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX, HEADER, WINDOW
+from kvobs.sidecar.replays import listing
+from kvobs.vllm.replay import ReplayError, load
+from tests.fuzz._scratch import quiet, scratch
+
+quiet()
+_DIR = scratch("bundle")
+_PATH = _DIR / BUNDLE_DIR / f"001796583651390-0-5514-1{BUNDLE_SUFFIX}"
+_PATH.parent.mkdir()
+with zipfile.ZipFile(Path(__file__).parent / "corpus" / "bundle" / "bundle-2") as _real:
+    _HEADER = _real.read(HEADER)
+
+
+def _around(window: bytes) -> bytes:
+    """A bundle of the real header and ``window``."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as bundle:
+        bundle.writestr(HEADER, _HEADER)
+        bundle.writestr(WINDOW, window)
+    return buffer.getvalue()
+
+
+def TestOneInput(data: bytes) -> None:
+    for content in (data, _around(data)):
+        _PATH.write_bytes(content)
+        json.dumps(listing(_DIR))
+        with contextlib.suppress(ReplayError):  # the one exception load may raise
+            load(str(_PATH))
