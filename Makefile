@@ -101,6 +101,12 @@ tools: prometheus
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
 	@amtool --version 2>&1 | head -1
+	@# tests/reliability/test_reliability_logrotate.py rotates journals with Debian's logrotate (in /usr/sbin).
+	@command -v logrotate >/dev/null || [ -x /usr/sbin/logrotate ] || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends logrotate >/dev/null; }
+	@{ command -v logrotate || echo /usr/sbin/logrotate; } | xargs -I{} {} --version 2>&1 | head -1
 	@# docker/k8s's overlays are built by `kubectl kustomize` (kustomize v3.7+ for components: kubectl 1.21+;
 	@# Debian's kubernetes-client is 1.20): tests/unit/test_k8s_manifests.py needs it.
 	@command -v kubectl >/dev/null || { echo "make tools: kubectl 1.21 or newer is missing (the docker/k8s tests build the overlays with kubectl kustomize); install it from https://kubernetes.io/docs/tasks/tools/"; exit 1; }
@@ -128,7 +134,7 @@ test: $(STAMP) tools lint typecheck
 	@if [ "$(SOAK)" != 0 ]; then $(MAKE) --no-print-directory test-soak; else echo "== the soak left out (SOAK=0)"; fi
 
 # The quick check while working (about a minute): ruff, mypy, then the unit and integration tests not marked
-# slow, engine or tools (pyproject.toml: tools are Prometheus, promtool, docker-compose, amtool, which `make tools`
+# slow, engine or tools (pyproject.toml: tools are Prometheus, promtool, docker-compose, amtool, logrotate, which `make tools`
 # installs), on vLLM $(VLLM_VERSION) only. Needs nothing beyond .venv. `make test` runs everything.
 check: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not engine and not tools" tests/unit tests/integration

@@ -73,7 +73,8 @@ TIERS: tuple[str, ...] = ("cpu",)
 observes; a tiering manager's secondary tiers (file system, remote) are not observed (README, "Metrics")."""
 
 DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
-"""Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``)."""
+"""Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``); ``ingest``:
+strings of an engine's lines and reports the sidecar read as invalid text and replaced (kvobs.wire.format.load_json)."""
 
 # -- a removal batch's flags: reason in the low bits, path above ---------------------
 

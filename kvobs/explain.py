@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import itertools
-import json
 import re
 import time
 import urllib.error
@@ -50,6 +49,7 @@ from kvobs.wire.format import (
     Removals,
     fit_req_id,
     key_ref,
+    load_json,
     parse_integer,
     ref_from_text,
 )
@@ -160,7 +160,7 @@ def _texts(line: str, depth: int = 0) -> list[str]:
         if not any(hint in token[0] for hint in WORDING_HINTS):
             continue
         try:
-            value = json.loads(token[0])
+            value, _ = load_json(token[0])  # a lone surrogate ("\udc80") is replaced: printable
         except (ValueError, RecursionError):
             continue
         if isinstance(value, str):  # decoded: the raw text would misread escaped keys
@@ -478,7 +478,7 @@ def _sidecar_page(endpoint: str, url: str, token: bytes | None) -> tuple[list[An
         raise _PageFailed(f"{endpoint} answered more than {MAX_SIDECAR_PAGE_BYTES} bytes, too large for one page "
                           f"(of at most {SIDECAR_PAGE_REPORTS} reports)")
     try:
-        data = json.loads(body)
+        data, _ = load_json(body)  # an older sidecar may serve a report's lone surrogate as its escape
         reports, following = data["failures"], data.get("next")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise _PageFailed(f"{endpoint} did not answer with kvobs failure reports") from exc

@@ -96,7 +96,8 @@ METRICS: tuple[MetricDef, ...] = (
               values=REASONS, totals="unread", counted="Recorder.removal's read bits (kvobs/hot_path.py)"),
     MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded.",
               values=DROP_STAGES, totals="dropped",
-              counted="JournalSink._enqueue (journal), the recorder's promises (verdicts)"),
+              counted="JournalSink._enqueue (journal), the recorder's promises (verdicts), "
+                      "the sidecar's SidecarState.apply (ingest: invalid text replaced)"),
     MetricDef("kvobs_capture_buffer_full", "counter", (),
               "Times a tap found kvobs's capture buffer full and applied it on vLLM's thread (nothing dropped; "
               "that call paid for the recording).",

@@ -14,6 +14,7 @@ from kvobs import __version__
 from kvobs.codes import CAUSES, REASONS
 from kvobs.metric_catalogue import COUNTED, METRIC
 from kvobs.sidecar.ingest import Ingest
+from kvobs.wire.format import OTHER, kept_labels
 from kvobs.wire.histogram import Histogram
 
 SKIP_SOURCES = ("journal", "report", "checkpoint")
@@ -78,12 +79,19 @@ class KvobsCollector(Collector):
         ingest = self.ingest
         with ingest.lock:
             state = ingest.state
-            for identity, engine in sorted(state.engines.items()):
-                totals = engine.totals()
-                latest = engine.latest()
-                # Every cause of this engine: known, counted, or only in its reports (a newer engine's).
-                causes = _values(CAUSES, totals.get("failures", {}), engine.failure_times,
-                                 (c for c, _ in engine.missing))
+            for identity, stored in sorted(state.engines.items()):
+                totals = stored.totals()
+                latest = stored.latest()
+                # Every cause of this engine: known, counted, or only in its reports (a newer engine's), one
+                # bound over them all (kept_labels: the same series whatever the order things were read in).
+                failures_in = totals.get("failures", {})
+                kept = kept_labels({*failures_in, *stored.causes_seen()}, CAUSES)
+                engine = stored.folded(kept, kept_labels(stored.groups, ()), kept_labels(stored.residency, REASONS))
+                totals["failures"] = {}
+                for cause, count in failures_in.items():
+                    key = cause if cause in kept else OTHER
+                    totals["failures"][key] = totals["failures"].get(key, 0.0) + count
+                causes = _values(CAUSES, totals["failures"], engine.causes_seen())
                 for metric in COUNTED:
                     counts = totals.get(metric.totals, {})
                     family = counted[metric.name]

@@ -13,7 +13,6 @@ checks (``kvobs.wire.decode``) wherever it holds what a journal line holds (writ
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -23,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from kvobs import __version__
-from kvobs.wire.decode import Report, decode_counters, decode_hello, decode_writer
+from kvobs.codes import CAUSES, REASONS
+from kvobs.wire.decode import MAX_RUNS_PER_FILE, Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
+    MAX_LABEL_VALUES,
     MAX_SHORT_LABEL,
+    OTHER,
     TOTAL_LABELS,
     Ages,
     Hello,
@@ -41,6 +43,8 @@ from kvobs.wire.format import (
     is_label,
     is_model_name,
     is_seconds,
+    kept_labels,
+    load_json,
     ref_groups,
 )
 from kvobs.wire.histogram import Histogram
@@ -90,12 +94,64 @@ class EngineState:
     """cause -> (newest, previous) failure report time (0: none): alerts read when failures happened,
     not when Prometheus first saw a counter move, so a Prometheus restart, a second replica or a
     scrape gap neither re-raises old failures nor hides new ones."""
+    invalid: int = 0
+    """Strings of this engine's lines and reports that were not valid text, replaced (kvobs.wire.format.load_json):
+    exported as ``kvobs_dropped_records_total{stage="ingest"}``, the stage kvobs.codes.DROP_STAGES keeps for it."""
 
     def totals(self) -> dict[str, dict[str, float]]:
         summed: dict[str, dict[str, float]] = {k: dict(v) for k, v in self.retired.items()}
         for writer in self.live.values():
             _add(summed, writer.totals.counters)
+        if self.invalid:
+            _add(summed, {"dropped": {"ingest": float(self.invalid)}})
         return summed
+
+    def causes_seen(self) -> set[str]:
+        """The ``cause`` values of this engine's report-fed series (its reports' causes)."""
+        return {*self.failure_times, *self.exemplars, *(cause for cause, _ in self.missing)}
+
+    def folded(self, causes: set[str], groups: set[str], reasons: set[str]) -> EngineState:
+        """A copy whose report-fed and residency series keep only the ``causes``, ``groups`` and ``reasons``
+        given (kept_labels), the rest summed (times: the newest two, exemplars: the newest) under OTHER.
+        Its counters (``live``, ``retired``) are shared, not copied: the collector only reads them."""
+        def cause(value: str) -> str:
+            return value if value in causes else OTHER
+
+        def group(value: str) -> str:
+            return value if value in groups else OTHER
+
+        out = EngineState(self.live, self.retired, self.hello, self.started, self.last_record_time,
+                          {group(g) for g in self.groups}, invalid=self.invalid)
+        for (c, g), n in self.missing.items():
+            key = (cause(c), group(g))
+            out.missing[key] = out.missing.get(key, 0) + n
+        def reason(value: str) -> str:
+            return value if value in reasons else OTHER
+
+        for target, source, kept in ((out.missing_age, self.missing_age, group),
+                                     (out.residency, self.residency, reason)):
+            for value, hist in source.items():
+                have = target.setdefault(kept(value), Histogram())
+                have.add(hist.counts, hist.total)
+        for c, times in self.failure_times.items():
+            newest, previous = sorted((*out.failure_times.get(cause(c), (0.0, 0.0)), *times), reverse=True)[:2]
+            out.failure_times[cause(c)] = (newest, previous)
+        for c, (trace, when) in self.exemplars.items():
+            have_exemplar = out.exemplars.get(cause(c))
+            if have_exemplar is None or when >= have_exemplar[1]:
+                out.exemplars[cause(c)] = (trace, when)
+        return out
+
+    def bound(self) -> None:
+        """Keep this engine's report-fed and residency labels bounded in memory, as they are exported
+        (kvobs.wire.format.kept_labels: independent of the order reports and lines arrive in)."""
+        if (len(self.groups) <= MAX_LABEL_VALUES and len(self.residency) <= len(REASONS) + MAX_LABEL_VALUES
+                and len(self.causes_seen()) <= len(CAUSES) + MAX_LABEL_VALUES):
+            return
+        bounded = self.folded(kept_labels(self.causes_seen(), CAUSES), kept_labels(self.groups, ()),
+                              kept_labels(self.residency, REASONS))
+        self.groups, self.missing, self.missing_age = bounded.groups, bounded.missing, bounded.missing_age
+        self.residency, self.failure_times, self.exemplars = bounded.residency, bounded.failure_times, bounded.exemplars
 
     def latest(self) -> Totals | None:
         return max((w.totals for w in self.live.values()), key=lambda t: t.time, default=None)
@@ -106,7 +162,9 @@ class SidecarState:
 
     def __init__(self) -> None:
         self.engines: dict[EngineId, EngineState] = {}
-        self.positions: dict[str, tuple[int, bool]] = {}  # file name -> (offset, inside a skipped line)
+        self.positions: dict[str, tuple[int, bool, dict[str, int]]] = {}
+        """Journal file (kvobs.sidecar.ingest.file_key: its identity) -> (offset, inside a skipped line, writer
+        run -> serial after the last removal batch it gave: kvobs.wire.decode.JournalPosition)."""
         self.reports_seen: set[str] = set()
         self.records = 0
         self.skipped: Counter[tuple[str, str]] = Counter()  # (source, reason) -> records or files skipped
@@ -140,6 +198,7 @@ class SidecarState:
         if isinstance(record, Unknown):
             return
         state = self.engine(record.writer.identity)
+        state.invalid += record.invalid
         if isinstance(record, Removals):
             if record.times:
                 state.last_record_time = max(state.last_record_time, record.times[-1])
@@ -153,12 +212,14 @@ class SidecarState:
                         hist = state.residency[reason] = Histogram()
                     hist.observe_many(ages)
             state.groups.update(map(str, ref_groups(record.keys)))
+            state.bound()
             return
         if isinstance(record, Ages):
             hist = state.residency.get(record.reason)
             if hist is None:
                 hist = state.residency[record.reason] = Histogram()
             hist.observe_many(record.ages)
+            state.bound()
             return
         state.last_record_time = max(state.last_record_time, record.time)
         if isinstance(record, Totals):
@@ -202,6 +263,8 @@ class SidecarState:
             newest = state.exemplars.get(report.cause)
             if newest is None or report.time >= newest[1]:
                 state.exemplars[report.cause] = (report.trace_id, report.time)
+        state.invalid += report.invalid
+        state.bound()
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -209,7 +272,8 @@ class SidecarState:
         return {
             "format": CHECKPOINT_FORMAT,
             "saved_at": time.time(),
-            "positions": {name: [offset, skipping] for name, (offset, skipping) in self.positions.items()},
+            "positions": {name: [offset, skipping, serials]
+                          for name, (offset, skipping, serials) in self.positions.items()},
             "reports_seen": sorted(self.reports_seen),
             "records": self.records,
             "skipped": [[source, reason, n] for (source, reason), n in self.skipped.items()],
@@ -234,6 +298,7 @@ class SidecarState:
                     "missing_age": {g: h.to_json() for g, h in e.missing_age.items()},
                     "exemplars": [[c, t, when] for c, (t, when) in e.exemplars.items()],
                     "failure_times": [[c, newest, previous] for c, (newest, previous) in e.failure_times.items()],
+                    "invalid": e.invalid,
                 }
                 for identity, e in self.engines.items()
             ],
@@ -252,6 +317,11 @@ def _hello_json(hello: Hello) -> dict[str, Any]:
     return fields | {"writer": list(hello.writer)}
 
 
+def _group(value: Any) -> bool:
+    """A ``group`` label value: a KV-cache group index, or OTHER for those beyond the bound (kept_labels)."""
+    return isinstance(value, str) and (value.isdigit() or value == OTHER)
+
+
 def _short(value: Any) -> bool:
     """A label value as a totals line may carry it (a newer engine's too)."""
     return is_label(value, MAX_SHORT_LABEL)
@@ -265,9 +335,13 @@ class _Restore:
             raise ValueError("not a kvobs sidecar checkpoint of a format this sidecar reads")
         state = self.state = SidecarState()
         for name, pos in self._dict(data, "positions").items():
-            if not (isinstance(pos, list) and len(pos) == 2 and is_count(pos[0]) and isinstance(pos[1], bool)):
+            if not (isinstance(pos, list) and len(pos) in (2, 3) and is_count(pos[0]) and isinstance(pos[1], bool)):
                 raise ValueError(f"bad position of {name!r}")
-            state.positions[str(name)] = (int(pos[0]), pos[1])
+            serials = pos[2] if len(pos) == 3 else {}  # absent before issue 40
+            if not (isinstance(serials, dict) and len(serials) <= MAX_RUNS_PER_FILE
+                    and all(_short(run) and is_count(n) for run, n in serials.items())):
+                raise ValueError(f"bad serials of {name!r}")
+            state.positions[str(name)] = (int(pos[0]), pos[1], {run: int(n) for run, n in serials.items()})
         seen = data.get("reports_seen")
         if not isinstance(seen, list) or not all(isinstance(s, str) for s in seen):
             raise ValueError("bad reports_seen")
@@ -361,7 +435,7 @@ class _Restore:
         engine.started = self._seconds(e.get("started", 0.0))  # absent from older checkpoints: unknown
         engine.last_record_time = self._seconds(e.get("last_record_time"))
         groups = e.get("groups")
-        if not isinstance(groups, list) or not all(isinstance(g, str) and g.isdigit() for g in groups):
+        if not isinstance(groups, list) or not all(_group(g) for g in groups):
             raise ValueError("bad groups")
         engine.groups = set(groups)
         for reason, h in self._dict(e, "residency").items():
@@ -369,12 +443,11 @@ class _Restore:
                 raise ValueError("bad residency reason")
             engine.residency[reason] = self._hist(h)
         for row in e.get("missing") or []:
-            if not (isinstance(row, list) and len(row) == 3 and _short(row[0]) and isinstance(row[1], str)
-                    and row[1].isdigit()):
+            if not (isinstance(row, list) and len(row) == 3 and _short(row[0]) and _group(row[1])):
                 raise ValueError("bad missing counts")
             engine.missing[(row[0], row[1])] = self._count(row[2])
         for group, h in self._dict(e, "missing_age").items():
-            if not group.isdigit():
+            if not _group(group):
                 raise ValueError("bad group")
             engine.missing_age[group] = self._hist(h)
         for row in e.get("exemplars") or []:  # absent from checkpoints written before exemplars
@@ -385,6 +458,8 @@ class _Restore:
             if not (isinstance(row, list) and len(row) == 3 and _short(row[0])):
                 raise ValueError("bad failure times")
             engine.failure_times[row[0]] = (self._seconds(row[1]), self._seconds(row[2]))
+        engine.invalid = self._count(e.get("invalid", 0))  # absent before issue 40
+        engine.bound()  # a checkpoint of a sidecar before issue 40 may hold more
 
 
 def load_checkpoint(path: Path) -> SidecarState | None:
@@ -394,7 +469,7 @@ def load_checkpoint(path: Path) -> SidecarState | None:
     except FileNotFoundError:
         return None
     try:
-        data = json.loads(raw)
+        data, _ = load_json(raw)  # one written before issue 40 may hold a lone surrogate: replaced
     except (ValueError, RecursionError) as exc:
         raise ValueError("not JSON") from exc
     return SidecarState.from_json(data)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 import stat
 import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,6 +67,7 @@ from kvobs.wire.format import (
     is_hex_id,
     is_label,
     is_seconds,
+    load_json,
     unknown_item,
 )
 from kvobs.wire.histogram import Histogram
@@ -127,7 +127,7 @@ def decode_hello(writer: Writer, time: Any, fields: Mapping[str, Any]) -> Hello 
 
 def decode_counters(name: str, value: Any) -> dict[str, float] | None:
     """One of a totals record's counter maps (``name`` in ``TOTAL_KEYS``), or None if it does not fit."""
-    return counter_map(value) if name in TOTAL_LABELS else None
+    return counter_map(value, TOTAL_LABELS[name]) if name in TOTAL_LABELS else None
 
 
 def unknown_labels(counters: Mapping[str, Mapping[str, float]]) -> list[str]:
@@ -154,7 +154,7 @@ def _decode_totals(writer: Writer, time: float, record: Mapping[str, Any]) -> To
         return None
     known_maps = [(name, value) for name, value in record.items() if name in TOTAL_LABELS]
     for name, value in known_maps + list(extension.items()):  # the line's maps, then its extension's
-        counts = counter_map(value)
+        counts = counter_map(value, TOTAL_LABELS.get(name, ()))
         if counts is None:
             return None
         if name not in TOTAL_LABELS:
@@ -206,14 +206,16 @@ def decode_record(record: Any) -> Record | None:
 
 
 def decode_line(line: bytes) -> Record | None:
-    """One journal line (without its newline) as its record, or None if it is not one kvobs wrote."""
+    """One journal line (without its newline) as its record, or None if it is not one kvobs wrote.
+    A string that is not valid text is replaced, and the record's ``invalid`` counts it (load_json)."""
     if len(line) >= MAX_LINE_BYTES:
         return None
     try:
-        parsed = json.loads(line)
+        parsed, invalid = load_json(line)
     except (ValueError, RecursionError):
         return None
-    return decode_record(parsed)
+    record = decode_record(parsed)
+    return record._replace(invalid=invalid) if record is not None and invalid else record
 
 
 def _age_ok(age: float) -> bool:
@@ -267,6 +269,11 @@ def _decode_removals(writer: Writer, record: dict[str, Any]) -> Removals | None:
 # -- reading journal files ----------------------------------------------------------------
 
 
+MAX_RUNS_PER_FILE = 16
+"""Writers whose removal serials a position remembers (:attr:`JournalPosition.serials`): a file holds one
+writer's lines, or a few when a restarted container's engine reuses a dead one's pid and file."""
+
+
 @dataclass
 class JournalPosition:
     """How far a reader got in one journal file, and whether it is inside a line it skips."""
@@ -276,6 +283,15 @@ class JournalPosition:
     rewound: bool = False
     """Set when the file was found cut back under this position (copy-truncate rotation, an operator's
     ``truncate``): it is read again from its start. Left for the caller to clear."""
+    serials: dict[str, int] = field(default_factory=dict)
+    """Writer run -> the serial after the last removal batch this file gave: a file cut back to a size
+    other than 0 is read again from its start, and the batches it gave before are not given again
+    (their residency samples would count twice; totals are kept by their own sequence)."""
+    repeated: bool = False
+    """The last removals line was one already given: the ``ages`` lines that follow it are too."""
+    identity: tuple[int, int] | None = None
+    """(st_dev, st_ino) the file must have (None: any): a path renamed and replaced between the
+    reader's listing and its open is not read under another file's position."""
 
 
 def _cut_back(f: Any, position: JournalPosition) -> bool:
@@ -300,6 +316,9 @@ def read_new_records(path: Path, position: JournalPosition, max_bytes: int = 8 *
     writer never cuts below a whole line) is read again from its start, and ``position.rewound`` says so.
     """
     with _open_regular(path) as f:
+        st = os.fstat(f.fileno())
+        if position.identity is not None and (st.st_dev, st.st_ino) != position.identity:
+            raise FileNotFoundError(f"{path}: renamed and replaced since it was listed")
         if position.offset > 0 and _cut_back(f, position):
             position.offset, position.skipping, position.rewound = 0, False, True
         f.seek(position.offset)
@@ -320,7 +339,29 @@ def read_new_records(path: Path, position: JournalPosition, max_bytes: int = 8 *
     for line in lines:
         if not line.strip():
             continue
-        yield decode_line(line)  # None for a line of MAX_LINE_BYTES or more, too
+        record = decode_line(line)  # None for a line of MAX_LINE_BYTES or more, too
+        if not _given_before(record, position):
+            yield record
+
+
+def _given_before(record: Record | None, position: JournalPosition) -> bool:
+    """Whether ``record`` is a removals line (or an ``ages`` line of one) this file already gave, by the
+    writer's batch serials: they rise in the order a writer writes, so a line read again after a cut back
+    to a size other than 0 is known, and a new one is not (issue 40)."""
+    if isinstance(record, Ages):
+        return position.repeated
+    position.repeated = False
+    if not isinstance(record, Removals):
+        return False
+    run, end = record.writer.run, record.first_serial + len(record.counts)
+    if end <= position.serials.get(run, 0):
+        position.repeated = True
+        return True
+    position.serials.pop(run, None)  # newest last: the oldest writer is the one forgotten
+    position.serials[run] = end
+    if len(position.serials) > MAX_RUNS_PER_FILE:
+        del position.serials[next(iter(position.serials))]
+    return False
 
 
 def read_records(path: Path, position: JournalPosition, max_bytes: int) -> Iterator[Record | None]:
@@ -366,6 +407,8 @@ class Report(NamedTuple):
     trace_id: str | None = None  # the failure span's, when it was sampled
     unknown: tuple[str, ...] = ()
     """Causes this reader does not know (a newer engine's), as unknown items: kept and exported."""
+    invalid: int = 0
+    """Strings of the file that were not valid text, replaced (kvobs.wire.format.load_json)."""
 
 
 def _summary(raw: Any) -> Summary | None:
@@ -446,13 +489,13 @@ def read_report(path: Path) -> Report:
             raise ValueError(f"larger than {MAX_REPORT_BYTES} bytes")
         raw = f.read(MAX_REPORT_BYTES + 1)
     try:
-        data = json.loads(raw)
+        data, invalid = load_json(raw)
     except (ValueError, RecursionError) as exc:
         raise ValueError("not JSON") from exc
     report = decode_report(path.stem, data)
     if report is None:
         raise ValueError("not a kvobs failure report")
-    return report
+    return report._replace(invalid=invalid) if invalid else report
 
 
 def list_reports(failures_dir: Path) -> tuple[list[Path], list[Path]]:

@@ -24,9 +24,11 @@ Writers: :mod:`kvobs.wire.encode`; readers: :mod:`kvobs.wire.decode`. Pure: stdl
 from __future__ import annotations
 
 import hashlib
+import heapq
+import json
 import logging
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvobs.metric_catalogue import TOTALS
@@ -112,8 +114,10 @@ FROZEN_READER_LABELS: dict[str, frozenset[str]] = {
 (it refuses a whole line over any other). Frozen for good: a writer puts every other value under
 :data:`EXTENSION` (docs/design.md, "Wire compatibility"; tests/unit/test_wire_compat.py)."""
 MAX_LABEL_VALUES = 64
-"""Label values a reader keeps per totals map (a line's and an engine's); the rest are summed under
-:data:`OTHER`, so a writer cannot grow a sidecar's series without bound."""
+"""Label values beyond the known ones a reader keeps per label (of a totals map, a line's and an
+engine's; of every other label the sidecar exports: causes from reports, groups, residency reasons); the
+rest are summed under :data:`OTHER` (:func:`kept_labels` says which), so no writer or report can grow a
+sidecar's series without bound."""
 OTHER = "other"
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "hello": (*HEAD_FIELDS, "t", "format", "version", "vllm_version", "history_size", "hot_path", "observing",
@@ -314,29 +318,99 @@ def fit_req_id(value: str | None) -> str | None:
     return value if value is None else fit_text(value, MAX_REQ_ID, "request id")
 
 
-def add_counts(into: dict[str, float], known: Collection[str], counts: Mapping[str, float]) -> None:
-    """Add ``counts`` into one counter map (of a line, or an engine's sum): a label value beyond the
-    ``known`` ones and :data:`MAX_LABEL_VALUES` others is summed under :data:`OTHER`, so a writer
-    cannot grow a reader's series without bound. The one place that bound is applied."""
-    room = len(known) + MAX_LABEL_VALUES
+def kept_labels(values: Iterable[str], known: Collection[str]) -> set[str]:
+    """The values of one label that are their own series; any other is summed under :data:`OTHER`.
+
+    The one bound of every label kvobs exports (docs/design.md, "Label bounds"): every ``known`` value and
+    ``OTHER`` are kept, and of the other ``values`` the :data:`MAX_LABEL_VALUES` first in code point order.
+    Decided by the set of values alone, never by the order of a map's keys, of lines or of reports: the
+    same data gives the same series to every reader, and bounding a part then the whole (a line, then an
+    engine's sum of lines) keeps what bounding the whole keeps. A value that sorts after the bound moves to
+    ``OTHER`` when earlier ones arrive (its series stops; ``OTHER`` takes its count).
+    """
+    others = {value for value in values if value not in known and value != OTHER}
+    if len(others) > MAX_LABEL_VALUES:
+        others = set(heapq.nsmallest(MAX_LABEL_VALUES, others))
+    return {*known, OTHER, *others}
+
+
+def bounded_counts(counts: Mapping[str, float], known: Collection[str]) -> dict[str, float]:
+    """``counts`` with the values :func:`kept_labels` does not keep summed under :data:`OTHER`."""
+    kept = kept_labels(counts, known)
+    out: dict[str, float] = {}
     for label, count in counts.items():
-        key = label if label in into or len(into) < room else OTHER
-        into[key] = into.get(key, 0.0) + count
+        key = label if label in kept else OTHER
+        out[key] = out.get(key, 0.0) + count
+    return out
 
 
-def counter_map(value: Any) -> dict[str, float] | None:
+def add_counts(into: dict[str, float], known: Collection[str], counts: Mapping[str, float]) -> None:
+    """Add ``counts`` into one counter map (of a line, or an engine's sum), bounded by :func:`kept_labels`
+    (``known``: the map's pre-initialised values), so a writer cannot grow a reader's series without bound."""
+    merged = dict(into)
+    for label, count in counts.items():
+        merged[label] = merged.get(label, 0.0) + count
+    into.clear()
+    into.update(bounded_counts(merged, known))
+
+
+def counter_map(value: Any, known: Collection[str] = ()) -> dict[str, float] | None:
     """A ``{label: count}`` map of a totals record, or None if an entry is not a short label and a count.
 
-    Label values it does not know are kept (a newer engine's; the caller tells them apart): past
-    :data:`MAX_LABEL_VALUES` values the rest are summed under :data:`OTHER` (:func:`add_counts`).
+    Label values it does not know are kept (a newer engine's; the caller tells them apart), bounded by
+    :func:`kept_labels` with the map's ``known`` values, so a known value never lands in :data:`OTHER`.
     """
     if not isinstance(value, dict):
         return None
     if not all(is_label(label, MAX_SHORT_LABEL) and is_count(count) for label, count in value.items()):
         return None
-    out: dict[str, float] = {}
-    add_counts(out, (), {label: float(count) for label, count in value.items()})
-    return out
+    return bounded_counts({label: float(count) for label, count in value.items()}, known)
+
+
+# -- text: what JSON can hold that no UTF-8 encodes ------------------------------------------------
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point in a decoded ``str``: JSON's ``"\\udc80"`` decodes to one (a pair decodes to
+its character), and no UTF-8 encodes it, so a label value, a response or a log line holding one fails."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+REPLACEMENT = "\ufffd"
+
+
+def valid_text(value: str) -> str:
+    """``value`` with each lone surrogate replaced by U+FFFD: text every sink (UTF-8) takes."""
+    return LONE_SURROGATE.sub(REPLACEMENT, value)
+
+
+def _valid(value: Any, replaced: list[int]) -> Any:
+    if isinstance(value, str):
+        if LONE_SURROGATE.search(value) is None:
+            return value
+        replaced[0] += 1
+        return valid_text(value)
+    if isinstance(value, list):
+        return [_valid(item, replaced) for item in value]
+    if isinstance(value, dict):
+        return {_valid(key, replaced): _valid(item, replaced) for key, item in value.items()}
+    return value
+
+
+def load_json(raw: bytes | str) -> tuple[Any, int]:
+    """``json.loads(raw)`` with every string (keys too) made :func:`valid_text`, and how many were not.
+
+    The one way kvobs's readers parse what they did not write themselves (journal lines, reports, the
+    checkpoint, a sidecar's answer, JSON in a log): a lone surrogate is replaced where it is and counted by
+    the caller, never the reason a scrape, a response or a log line fails later. ValueError and
+    RecursionError as ``json.loads`` raises them. Cheap for what holds none: bytes whose text has no
+    ``\\uD8..``-``\\uDF..`` escape are not walked (UTF-8 itself cannot carry a surrogate).
+    """
+    data = json.loads(raw)
+    if isinstance(raw, bytes):
+        if _SURROGATE_ESCAPE.search(raw) is None:
+            return data, 0
+    elif LONE_SURROGATE.search(raw) is None and _SURROGATE_ESCAPE.search(raw.encode("utf-8", "replace")) is None:
+        return data, 0
+    replaced = [0]
+    return _valid(data, replaced), replaced[0]
 
 
 def is_hex_id(value: Any, digits: int) -> TypeIs[str]:
@@ -375,6 +449,8 @@ class Hello(NamedTuple):
     detail: str = ""
     unknown: tuple[str, ...] = ()
     """What of the line this reader does not know (:func:`unknown_item`), kept or skipped, never refused."""
+    invalid: int = 0
+    """Strings of the line that were not valid text, replaced (:func:`load_json`); the sidecar counts them."""
 
 
 class Totals(NamedTuple):
@@ -387,6 +463,7 @@ class Totals(NamedTuple):
     """The writer's sequence number of this totals line (0 from writers before it had one): a reader
     keeps the highest, so a line read late (another file, a backlog) never replaces a newer one."""
     unknown: tuple[str, ...] = ()
+    invalid: int = 0
 
     def newer_than(self, other: Totals) -> bool:
         """Whether these totals were written after ``other`` (same writer): by sequence, then time."""
@@ -407,6 +484,7 @@ class Removals(NamedTuple):
     keys: bytes  # KEY_REF_BYTES per listed key
     ages: list[float]  # per listed key; NaN where unknown
     unknown: tuple[str, ...] = ()
+    invalid: int = 0
 
     def batches(self) -> Iterator[tuple[int, float, str, str, str | None, int, list[bytes], list[float]]]:
         """(serial, time, reason, path, req_id, keys removed, listed key refs, their ages) per batch."""
@@ -425,6 +503,7 @@ class Ages(NamedTuple):
     reason: str
     ages: list[float]
     unknown: tuple[str, ...] = ()
+    invalid: int = 0
 
 
 class Note(NamedTuple):
@@ -435,6 +514,7 @@ class Note(NamedTuple):
     time: float
     fields: dict[str, Any]
     unknown: tuple[str, ...] = ()
+    invalid: int = 0
 
 
 class Unknown(NamedTuple):
@@ -443,6 +523,7 @@ class Unknown(NamedTuple):
     writer: Writer
     kind: str
     unknown: tuple[str, ...] = ()
+    invalid: int = 0
 
 
 def unknown_item(what: str, name: str) -> str:

@@ -25,8 +25,9 @@ import pytest
 
 from kvobs.journal import JournalFiles
 from kvobs.options import Options
-from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S, Ingest
+from kvobs.sidecar.ingest import CHECKPOINT, CHECKPOINT_EVERY_S, Ingest, file_key
 from kvobs.wire.decode import JournalPosition, read_new_records
+from kvobs.wire.format import stem_of
 from tests.support.faults import tmpfs
 from tests.support.services import ROOT, Sidecar, clean_env, wait_for
 from tests.support.sidecar_input import scrape, write_engine
@@ -158,7 +159,8 @@ def test_a_restarted_sidecar_reads_a_journal_rotated_while_it_was_down(tmp_path:
         wait_for(lambda: stored(sidecar.url, "model-a") == 3, what="the engine's stores on /metrics")
         sidecar.stop()
         (segment,) = (tmp_path / "journal").iterdir()
-        offset = json.loads((tmp_path / "sidecar-state.json").read_text())["positions"][segment.name][0]
+        key = file_key(stem_of(segment.name), segment.stat())
+        offset = json.loads((tmp_path / "sidecar-state.json").read_text())["positions"][key][0]
         copy_truncate(segment)
         engine.say("store 4", "stored")
         wait_for(lambda: segment.stat().st_size > offset + 1, timeout=30, what="the engine writing past the offset")
@@ -278,7 +280,7 @@ def test_a_stopping_sidecar_reads_no_further_file_before_its_exit_checkpoint(tmp
     ingest = Ingest(tmp_path)
     ingest.stop()
     ingest.poll()
-    assert ingest.state.positions == {} and ingest.state.engines == {}
+    assert all(offset == 0 for offset, _, _ in ingest.state.positions.values()) and ingest.state.engines == {}
     ingest.checkpoint()
     restarted = Ingest(tmp_path)
     restarted.poll()  # what the stopped one left unread is read after the restart
