@@ -25,6 +25,7 @@ from kvobs import __version__
 from kvobs.codes import CAUSES, REASONS
 from kvobs.wire.decode import MAX_RUNS_PER_FILE, Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
+    MAX_ENGINES,
     MAX_LABEL_VALUES,
     MAX_SHORT_LABEL,
     OTHER,
@@ -182,8 +183,16 @@ class SidecarState:
                                item, __version__)
 
     def engine(self, identity: EngineId) -> EngineState:
+        """``identity``'s state; beyond ``MAX_ENGINES`` engines, a new one's records fold into the ``other``
+        engine's (said once: a directory of that many engines is more likely a mistake than a node)."""
         state = self.engines.get(identity)
         if state is None:
+            if len(self.engines) >= MAX_ENGINES and identity != (OTHER, OTHER):
+                if (OTHER, OTHER) not in self.engines:
+                    logger.warning("kvobs sidecar: more than %d engines write to this directory; the records of "
+                                   "engine %r (model %r) and of any later one are summed under model_name and "
+                                   "engine 'other'", MAX_ENGINES, identity[1], identity[0])
+                return self.engine((OTHER, OTHER))
             state = self.engines[identity] = EngineState()
         return state
 

@@ -119,6 +119,11 @@ engine's; of every other label the sidecar exports: causes from reports, groups,
 rest are summed under :data:`OTHER` (:func:`kept_labels` says which), so no writer or report can grow a
 sidecar's series without bound."""
 OTHER = "other"
+MAX_ENGINES = 256
+"""Engines (``model_name``, ``engine`` pairs) a sidecar keeps series of: one sidecar serves one node's DP
+ranks, a few dozen at most. Any engine first met beyond them is summed under ``model_name`` and ``engine``
+both :data:`OTHER` (kvobs.sidecar.state.SidecarState.engine), so no directory can grow its series without
+bound."""
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "hello": (*HEAD_FIELDS, "t", "format", "version", "vllm_version", "history_size", "hot_path", "observing",
               "reason", "detail"),

@@ -23,8 +23,9 @@ import pytest
 
 from kvobs.bundles import BUNDLE_FOLDERS, BUNDLE_SUFFIX
 from kvobs.codes import CAUSES, DROP_STAGES
+from kvobs.sidecar.state import SidecarState
 from kvobs.wire.decode import decode_line
-from kvobs.wire.format import MAX_LABEL_VALUES, OTHER, TOTAL_LABELS, Totals, kept_labels
+from kvobs.wire.format import MAX_ENGINES, MAX_LABEL_VALUES, OTHER, TOTAL_LABELS, Totals, kept_labels
 from tests.support.services import ROOT, Sidecar, http_get, wait_for
 from tests.support.sidecar_input import scrape, write_engine
 
@@ -193,3 +194,21 @@ def test_a_dropped_download_is_logged_as_json_not_a_raw_traceback(tmp_path: Path
     for line in lines:
         json.loads(line)
 
+
+
+def test_engines_beyond_the_bound_are_summed_under_one_other_engine(tmp_path: Path) -> None:
+    """A directory naming more engines than ``MAX_ENGINES`` (its journals' lines, read by the sidecar's own
+    fold) keeps a series per engine up to the bound; every later one's counts go to ``other``, none lost."""
+    write_engine(tmp_path, "e0", 2)
+    _, lines = _lines(tmp_path, "e0")
+    state = SidecarState()
+    extra = 5
+    for n in range(MAX_ENGINES + extra):
+        for line in lines:
+            record = decode_line(json.dumps({**line, "e": f"e{n}"}).encode())
+            assert record is not None
+            state.apply(record, f"e{n}-1")
+    assert len(state.engines) == MAX_ENGINES + 1
+    other = state.engines[(OTHER, OTHER)]
+    assert len(other.live) == 1 and ("", f"e{MAX_ENGINES + extra - 1}") not in state.engines
+    assert sum(sum(h.counts) for h in other.residency.values()) == extra * 2  # 2 samples an overflowed engine
