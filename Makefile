@@ -102,11 +102,11 @@ tools: prometheus
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
 	@amtool --version 2>&1 | head -1
 	@# tests/reliability/test_reliability_logrotate.py rotates journals with Debian's logrotate (in /usr/sbin).
-	@command -v logrotate >/dev/null || [ -x /usr/sbin/logrotate ] || { \
+	@PATH="$$PATH:/usr/sbin" command -v logrotate >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends logrotate >/dev/null; }
-	@{ command -v logrotate || echo /usr/sbin/logrotate; } | xargs -I{} {} --version 2>&1 | head -1
+	@PATH="$$PATH:/usr/sbin" logrotate --version 2>&1 | head -1
 	@# docker/k8s's overlays are built by `kubectl kustomize` (kustomize v3.7+ for components: kubectl 1.21+;
 	@# Debian's kubernetes-client is 1.20): tests/unit/test_k8s_manifests.py needs it.
 	@command -v kubectl >/dev/null || { echo "make tools: kubectl 1.21 or newer is missing (the docker/k8s tests build the overlays with kubectl kustomize); install it from https://kubernetes.io/docs/tasks/tools/"; exit 1; }
