@@ -1,13 +1,15 @@
 """Target ``bundle``: a replay bundle file through ``kvobs.vllm.replay.load`` (``kvobs replay``'s reader),
 and through the sidecar's listing of bundles (``kvobs.sidecar.replays.listing``, GET /api/v1/replays).
 
-The input is read twice: as the whole bundle file, and as the window of a bundle whose header is a real
+The input is read three times: as the whole bundle file; as the window of a bundle whose header is a real
 replayable one's (corpus/bundle/bundle-2) zipped around it, so that mutations reach the window's decoder
-past the zip's CRC and the header's checks.
+past the zip's CRC and the header's checks; and as a state blob (kvobs.state_codec, the manager a replay
+rebuilds: ``kvobs.vllm.compat.rebuild_state``). A bundle that loads is replayed.
 
-Contract: ``load`` raises only ``kvobs.vllm.replay.ReplayError``; ``listing`` raises nothing (a bundle it
-cannot read is left out). The target goes through these public functions only, so it outlives the bundle
-format's change (format 1 held a pickle; format 2, MessagePack of plain values)."""
+Contract: ``load`` and ``replay`` raise only ``kvobs.vllm.replay.ReplayError``, ``rebuild_state`` only
+``kvobs.state_codec.StateError``; ``listing`` raises nothing (a bundle it cannot read is left out). The
+target goes through these public functions only (format 1 bundles held a pickle and are refused; format 2
+is MessagePack of plain values)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from pathlib import Path
 
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX, HEADER, WINDOW
 from kvobs.sidecar.replays import listing
-from kvobs.vllm.replay import ReplayError, load
+from kvobs.state_codec import StateError
+from kvobs.vllm.compat import rebuild_state
+from kvobs.vllm.replay import ReplayError, load, replay
 from tests.fuzz._scratch import quiet, scratch
 
 quiet()
@@ -43,5 +47,7 @@ def TestOneInput(data: bytes) -> None:
     for content in (data, _around(data)):
         _PATH.write_bytes(content)
         json.dumps(listing(_DIR))
-        with contextlib.suppress(ReplayError):  # the one exception load may raise
-            load(str(_PATH))
+        with contextlib.suppress(ReplayError):  # the one exception load and replay may raise
+            replay(load(str(_PATH)))
+    with contextlib.suppress(StateError):
+        rebuild_state(data)
