@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,8 @@ class Entry:
 
 
 Table = Mapping[str, Entry]
-_PLAIN = (type(None), bool, int, float, str, bytes)
+_LEAVES = (type(None), bool, int, float, str)
+_PLAIN = (*_LEAVES, bytes)
 
 
 FORMAT = 1
@@ -74,31 +76,39 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
             found = names[text] = len(names)
         return found
 
+    def each(values: Iterable[Any], depth: int) -> list[Any]:
+        """Nodes of ``values``; plain values and bytes written here, not by a call each (a snapshot holds
+        a few hundred thousand of them)."""
+        out: list[Any] = []
+        for v in values:
+            cls = type(v)
+            if cls in _LEAVES:
+                out.append(v)
+            elif cls is bytes:
+                found = blobs.get(v)
+                if found is None:
+                    found = blobs[v] = len(blobs)
+                out.append(["b", found])
+            else:
+                out.append(tree(v, depth))
+        return out
+
     def tree(obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise TypeError(f"state nested deeper than {MAX_DEPTH}")
         cls = type(obj)
-        if cls is bytes:
-            found = blobs.get(obj)
-            if found is None:
-                found = blobs[obj] = len(blobs)
-            return ["b", found]
         if cls in _PLAIN:
-            return obj
+            return each((obj,), depth)[0]
         if cls is list:
-            return ["l", [tree(v, depth + 1) for v in obj]]
+            return ["l", each(obj, depth + 1)]
         if cls is tuple:
-            return ["t", [tree(v, depth + 1) for v in obj]]
+            return ["t", each(obj, depth + 1)]
         if cls is set or cls is frozenset:
-            return ["s" if cls is set else "f", [tree(v, depth + 1) for v in obj]]
+            return ["s" if cls is set else "f", each(obj, depth + 1)]
         if cls is dict or cls is collections.OrderedDict:
-            flat: list[Any] = []
-            for k, v in obj.items():
-                flat.append(tree(k, depth + 1))
-                flat.append(tree(v, depth + 1))
-            return ["d" if cls is dict else "D", flat]
+            return ["d" if cls is dict else "D", each(itertools.chain.from_iterable(obj.items()), depth + 1)]
         if cls is collections.deque:
-            return ["q", [tree(v, depth + 1) for v in obj], obj.maxlen]
+            return ["q", each(obj, depth + 1), obj.maxlen]
         if isinstance(obj, type):
             tag = tags.get(obj)
             if tag is None:
@@ -114,7 +124,7 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
             if getattr(cls, singleton) is obj:
                 return ["a", name(tag), singleton]
         if entry.kind == "tuple":
-            return ["n", name(tag), [tree(v, depth + 1) for v in obj]]
+            return ["n", name(tag), each(obj, depth + 1)]
         if entry.kind != "object":
             raise TypeError(f"{tag} is not written as an object")
         seen = memo.get(id(obj))
@@ -122,10 +132,12 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
             return ["r", seen]
         memo[id(obj)] = ident = len(memo)
         keep.append(obj)
-        flat = []
-        for attribute, v in attributes(obj).items():
+        attrs = attributes(obj)
+        values = each(attrs.values(), depth + 1)
+        flat: list[Any] = []
+        for attribute, v in zip(attrs, values, strict=True):
             flat.append(name(attribute))
-            flat.append(tree(v, depth + 1))
+            flat.append(v)
         return ["o", ident, name(tag), flat]
 
     root = tree(value, 0)

@@ -521,18 +521,28 @@ def _instance_names_of(cls: type) -> tuple[str, ...]:
     return names
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _snapshot_attributes(obj: Any) -> dict[str, Any]:
     """What a snapshot writes of ``obj``: the manager's and its policy's attributes read one by one
-    (:func:`_live_state`), a request as :func:`plain_context` makes it, any other object its fields."""
-    entry = snapshot_table()[f"{type(obj).__module__}:{type(obj).__qualname__}"]
-    if (CPUOffloadingManager is not None and isinstance(obj, CPUOffloadingManager)) or hasattr(type(obj), "evict"):
+    (:func:`_live_state`), a request as :func:`plain_context` makes it, any other object its fields (their
+    names cached by class: a snapshot reads one chunk status per resident chunk)."""
+    cls = type(obj)
+    fields = _FIELDS.get(cls)
+    if fields is not None:
+        return {name: getattr(obj, name) for name in fields}
+    entry = snapshot_table()[f"{cls.__module__}:{cls.__qualname__}"]
+    if (CPUOffloadingManager is not None and isinstance(obj, CPUOffloadingManager)) or hasattr(cls, "evict"):
         state = _live_state(obj)
         if set(state) != entry.names:  # its __dict__ read whole, with an attribute vLLM does not set
-            raise ProtocolMismatch(f"{type(obj).__name__} holds attributes its class does not set "
+            raise ProtocolMismatch(f"{cls.__name__} holds attributes its class does not set "
                                    f"({', '.join(sorted(set(state) - entry.names))}): kvobs cannot snapshot it")
         return state
     if isinstance(obj, ReqContext):
         obj = plain_context(obj)
+    else:
+        _FIELDS[cls] = tuple(sorted(entry.names))
     return {name: getattr(obj, name) for name in sorted(entry.names)}
 
 
