@@ -41,6 +41,7 @@ class KeyFacts:
     breach: str | None = None  # reason of the first removal after the promise (it broke the promise)
     breaking_removal: Removal | None = None  # that removal's details, while the history holds them
     verdicts_dropped: bool = False  # some of this request's promises did not fit (max_verdicts)
+    expected_tier: str | None = None  # the tier the load expected it in, vLLM's CacheHitSource value, if known
 
 
 @dataclass(frozen=True, slots=True)

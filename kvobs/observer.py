@@ -48,6 +48,7 @@ class Unloadable(NamedTuple):
     group: int
     end_token: int | None
     state: str  # kvobs.diagnosis.MISSING or NOT_READY
+    expected_tier: str | None = None  # where the load expected it, as vLLM names it (compat.expected_tier)
 
 
 class Deadline:
@@ -420,6 +421,7 @@ class Observer:
                 group=item.group,
                 end_token=item.end_token,
                 state=item.state,
+                expected_tier=item.expected_tier,
                 verdict=verdict,
                 last_removal=last_removal,
                 breach=None if removal is None else removal.reason,

@@ -153,6 +153,7 @@ def event_attributes(diagnosis: Diagnosis) -> dict[str, Any]:
         "kv_offload.missing.seconds_since_eviction": [-1.0 if k.age_s is None else k.age_s for k in listed],
         "kv_offload.missing.causes": [k.cause for k in listed],
         "kv_offload.missing.groups": [k.facts.group for k in listed],
+        "kv_offload.missing.expected_tiers": [k.facts.expected_tier or "" for k in listed],
         "kv_offload.missing.not_listed": len(diagnosis.keys) - len(listed),
     }
     if failure.failing_group is not None:

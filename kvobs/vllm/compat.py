@@ -620,6 +620,22 @@ def chunk_state(cpu: Any, key: bytes) -> str | None:
     return None if chunk.is_ready else "not_ready"
 
 
+def expected_tier(manager: OffloadingManager, key: bytes, req_context: Any) -> str | None:
+    """The tier a failed load expected ``key`` in, as vLLM names tiers (``CacheHitSource``: ``host`` the CPU
+    tier, ``disk``, ``p2p``, ...): from 0.32, the manager's own ``get_load_source`` (a tiering manager
+    answers with the tier this request's lookup found the chunk in, before promoting it); before, ``host``
+    for the CPU manager (its only tier) and None for any other. Read at the failure only; a manager that
+    raises answers None (kvobs never raises into vLLM)."""
+    source = getattr(manager, "get_load_source", None)
+    if callable(source):
+        try:
+            found = source(OffloadKey(key), req_context)
+            return str(getattr(found, "value", found))  # an Enum in 0.32 and 0.33, a StrEnum from 0.34
+        except Exception:  # a manager's query failing at the failure: the tier is unknown, the rest goes on
+            return None
+    return "host" if CPUOffloadingManager is not None and isinstance(manager, CPUOffloadingManager) else None
+
+
 def key_position(req_context: Any, key: bytes) -> int | None:
     """The chunk's end token, as the connector set it on the request context (None before 0.31)."""
     if not HAS_KEY_POSITIONS:

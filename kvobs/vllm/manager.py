@@ -341,7 +341,7 @@ class ObservedOffloadingManager(OffloadingManager):
         return survival.take_source() if recomputed and survival is not None else None
 
     def _kvobs_unloadable(self, keys: Sequence[bytes], req_context: Any, vllm_message: str) -> list[Unloadable]:
-        """Every key of the load that cannot be read, with its group, end token and state."""
+        """Every key of the load that cannot be read, with its group, end token, state and expected tier."""
         cpu = self._kvobs_cpu
         out: list[Unloadable] = []
         for key in keys:
@@ -353,5 +353,6 @@ class ObservedOffloadingManager(OffloadingManager):
                 state = NOT_READY if "not ready" in vllm_message else MISSING
             else:
                 continue
-            out.append(Unloadable(key, key_group(key), compat.key_position(req_context, key), state))
+            out.append(Unloadable(key, key_group(key), compat.key_position(req_context, key), state,
+                                  compat.expected_tier(self._kvobs_inner, key, req_context)))
         return out

@@ -236,6 +236,7 @@ def failure_report(
                 "group": k.facts.group,
                 "end_token": k.facts.end_token,
                 "state": k.facts.state,
+                "expected_tier": k.facts.expected_tier,
                 "cause": k.cause,
                 "seconds_since_eviction": k.age_s,
                 "reported": None if k.facts.verdict is None else ("HIT_PENDING" if k.facts.verdict.pending else "HIT"),
