@@ -13,6 +13,7 @@ from typing import Any
 
 from dashboards.config import Config
 from dashboards.dashboard import HISTORY_WINDOW_ALERT_S
+from kvobs.codes import read_back_share_promql
 
 FAILURE_WINDOW_S = 3600
 """How long a failed load keeps its alerts firing (the failure-time gauges say when it happened)."""
@@ -38,7 +39,7 @@ COMMENT = f"""\
 #
 # Warnings that one event would raise wait with "for:" (each expression looks at a window and must hold
 # for longer); the events worth a warning at once (a failure, a lost report, skipped journal lines) fire
-# at once. kvobs watches itself: KvobsNotObserving, KvobsSidecarReadsNoEngine, KvobsSidecarCannotRead,
+# at once. kvobs watches itself: KvobsNotObserving, KvobsUnavailable, KvobsSidecarReadsNoEngine, KvobsSidecarCannotRead,
 # KvobsSidecarSkipping, KvobsSidecarInternalErrors and KvobsVersionSkew say when kvobs went blind, so that
 # the other alerts' silence means "nothing happened", not "nothing was seen".
 """
@@ -143,16 +144,15 @@ def rules(config: Config) -> dict[str, Any]:
               for_="15m"),
         # The vLLM path: a tier written to for an hour and never read back (vLLM #56871: "280 GB written in
         # one night, nothing loaded"): stores in every 10 minutes of the last hour, no load in any of them.
+        # The read-back share (kvobs.codes.READ_BACK_SHARE) at 0: chunks written, none read even once.
         alert("KvobsTierWritesNeverRead",
-              f"sum by ({engine}, tier) (increase(kvobs_stored_chunks_total[10m])) > 0\n"
-              f"and on ({engine}, tier)\n"
-              f"sum by ({engine}, tier) (increase(kvobs_loaded_chunks_total[10m])) == 0\n",
+              f"{read_back_share_promql(lambda name: f'increase({name}[10m])', f'{engine}, tier')} == 0\n",
               "warning",
               "The {{ $labels.tier }} offload tier of an engine is written to and never read back.",
-              f"{at_cap} has stored chunks in its {{{{ $labels.tier }}}} tier throughout the last hour and loaded "
-              "none back. The tier costs transfer bandwidth and memory and saves no prefill: requests do not "
-              "share prefixes, the prefixes are evicted before reuse, or lookups do not reach the tier. See the "
-              "dashboard's \"Is the tier doing anything\" row.",
+              f"{at_cap} has written chunks into its {{{{ $labels.tier }}}} tier throughout the last hour and read "
+              "none of them back (read-back share 0). The tier costs transfer bandwidth and memory and saves no "
+              "prefill: requests do not share prefixes, the prefixes are evicted before reuse, or lookups do not "
+              "reach the tier. See the dashboard's \"Is the tier doing anything\" row.",
               for_="1h"),
         alert("KvobsSidecarDown", f"{up} == 0", "warning",
               "The kvobs sidecar cannot be scraped.",
@@ -194,6 +194,17 @@ def rules(config: Config) -> dict[str, Any]:
               f"The kvobs plugin on {at} does not observe the offload manager (reason {{{{ $labels.reason }}}}): "
               "vLLM runs exactly as without kvobs, and no kvobs alert can fire for this engine. Usually a vLLM "
               "upgrade kvobs does not know yet.",
+              for_="5m"),
+        # A part of kvobs its options ask for does not work (an unusable directory: no journal, reports or
+        # bundles; a flight recorder that cannot run). Only vLLM's own /metrics can say so (the vllm_metrics
+        # option): the sidecar learns of an engine from the directory that is the problem.
+        alert("KvobsUnavailable", f"max by ({engine}, part) (vllm:kv_offload_kvobs_unavailable) == 1", "warning",
+              "kvobs's {{ $labels.part }} does not work on engine {{ $labels.engine }} of {{ $labels.model_name }}.",
+              f"On {at}, the kvobs part {{{{ $labels.part }}}} that its options ask for does not work. dir: the "
+              "directory (option dir or KVOBS_DIR) is unusable, so kvobs writes no journal, no failure reports "
+              "and no replay bundles and the sidecar sees nothing of this engine (the failure message in vLLM's "
+              "log still names the cause). flight_recorder: asked for by flight_calls and not recording, so a "
+              "failure has no replay bundle. The engine's start-up WARNING names the path and the error.",
               for_="5m"),
         # Every vLLM with the plugin journals at start (its build info): a sidecar up for 15 minutes with
         # no engine reads the wrong directory, or files of another uid (KvobsSidecarCannotRead).

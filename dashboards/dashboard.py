@@ -29,6 +29,7 @@ from dashboards.panels import (
     timeseries_panel,
 )
 from dashboards.series import ENGINES, VARIABLES, Selectors, either_path, rate, vllm
+from kvobs.codes import read_back_share_promql
 
 UID = "kvobs-offload"
 FILE = "kvobs-offload.json"
@@ -220,22 +221,23 @@ def panels(config: Config) -> list[Spec]:
         timeseries_panel(45, "Write waste",
                          "Share of the chunks removed from the CPU tier that were never loaded since their store, "
                          "by removal reason (kvobs_evicted_unread_chunks_total over kvobs_evicted_chunks_total), "
-                         "and chunks loaded over chunks stored, by tier. Near 1 unread, near 0 loaded: the tier "
-                         "is written and not read back. No data where nothing was removed or stored. "
+                         "and the read-back share by tier: chunks read at least once since written over chunks "
+                         "written by any path, GPU stores and promotions (kvobs.codes.READ_BACK_SHARE; at most 1, "
+                         "unlike loads over stores). Near 1 unread, near 0 read back: the tier is written and not "
+                         "read back. No data where nothing was removed or written. "
                          + SIDECAR_ONLY.format("kvobs_evicted_unread_chunks_total"),
                          [Query(f"sum by (reason) (rate(kvobs_evicted_unread_chunks_total{{{e}}}[$__rate_interval]))"
                                 f" / (sum by (reason) (rate(kvobs_evicted_chunks_total{{{e}}}[$__rate_interval]))"
                                 " > 0)", "removed unread: {{reason}}"),
-                          Query(f"sum by (tier) (rate(kvobs_loaded_chunks_total{{{e}}}[$__rate_interval]))"
-                                f" / (sum by (tier) (rate(kvobs_stored_chunks_total{{{e}}}[$__rate_interval])) > 0)",
-                                "loaded / stored: {{tier}}")],
+                          Query(read_back_share_promql(lambda name: f"rate({name}{{{e}}}[$__rate_interval])", "tier"),
+                                "read back: {{tier}}")],
                          ds, unit="percentunit", w=6, hide_zero=False),
-        stat_panel(43, "Loaded / stored (in range)",
-                   "Chunks loaded back from the offload tiers over chunks stored in them, in the dashboard's time "
-                   "range. No data where nothing was stored. "
-                   + SIDECAR_ONLY.format("kvobs_loaded_chunks_total"),
-                   Query(f"sum({config.counts.count_in_range('kvobs_loaded_chunks_total', e, '')})"
-                         f" / (sum({config.counts.count_in_range('kvobs_stored_chunks_total', e, '')}) > 0)"),
+        stat_panel(43, "Read back (in range)",
+                   "The read-back share in the dashboard's time range: chunks read at least once since written "
+                   "over chunks written into the tier by any path (kvobs.codes.READ_BACK_SHARE). No data where "
+                   "nothing was written. "
+                   + SIDECAR_ONLY.format("kvobs_read_once_chunks_total"),
+                   Query(read_back_share_promql(lambda name: config.counts.count_in_range(name, e, ''), "")),
                    ds, unit="percentunit", steps=(("text", None),), w=3, h=8),
         stat_panel(44, "Removed unread (in range)",
                    "Share of the chunks removed from the CPU tier in the dashboard's time range that were never "

@@ -8,6 +8,8 @@ alerts rely on them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 REASONS: tuple[str, ...] = ("capacity", "store_failed", "reset", "deferred_release")
 """Why chunks left the CPU tier (the ``reason`` label). ``deferred_release``: vLLM 0.34's tiering
 failed a promotion's write and took its chunks out of the cache with their slots held until the
@@ -69,8 +71,30 @@ STAGES: tuple[str, ...] = (
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
 
 TIERS: tuple[str, ...] = ("cpu",)
-"""The offload tiers kvobs counts stores and loads of (the ``tier`` label): the CPU tier, the one it
-observes; a tiering manager's secondary tiers (file system, remote) are not observed (README, "Metrics")."""
+"""The offload tiers kvobs counts writes, reads and removals of (the ``tier`` label): the CPU tier, where
+vLLM exports no per-chunk account. A tiering manager's secondary tiers (file system, remote) are vLLM's own
+figures (``vllm:kv_offload_tiering_write_bytes`` / ``read_bytes`` by tier; the file-system tier evicts
+nothing), which kvobs does not count a second time (README, "Is the tier doing anything")."""
+
+READ_BACK_SHARE = ("kvobs_read_once_chunks_total", "kvobs_written_chunks_total")
+"""The read-back share of a tier, defined here once: chunks read at least once since written over chunks
+written into the tier by any path (stores from the GPU and promotions from a lower tier). Never above 1,
+unlike loads over stores (a chunk re-read counts once; a promoted chunk is written too). The README, the
+demo's summary (:func:`read_back_share`), the dashboard and the alert (:func:`read_back_share_promql`) all
+take it from here."""
+
+
+def read_back_share(read_once: int, written: int) -> float | None:
+    """:data:`READ_BACK_SHARE` of counts (None where nothing was written)."""
+    return read_once / written if written > 0 else None
+
+
+def read_back_share_promql(increase: Callable[[str], str], by: str) -> str:
+    """:data:`READ_BACK_SHARE` in PromQL: ``increase(name)`` gives the expression of one counter's increase
+    (a ``rate``, an ``increase``, a dashboard's count in range), summed ``by`` the labels given; no data where
+    nothing was written."""
+    read_once, written = READ_BACK_SHARE
+    return f"sum by ({by}) ({increase(read_once)}) / (sum by ({by}) ({increase(written)}) > 0)"
 
 DROP_STAGES: tuple[str, ...] = ("journal", "verdicts", "ingest")
 """Where kvobs drops records to stay bounded (the ``stage`` label of ``kvobs_dropped_records_total``); ``ingest``:

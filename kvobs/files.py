@@ -6,6 +6,7 @@ Shared by the engine's journal and the sidecar's checkpoint; pure standard libra
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -81,3 +82,29 @@ def keep_newest(paths_newest_first: list[Path], keep: int) -> None:
     for stale in paths_newest_first[keep:]:
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
+
+
+def hold(fd: int) -> None:
+    """Mark an open journal segment as its writer's for as long as the writer lives: a shared ``flock``, which
+    the kernel drops when the process dies, however it dies (kvobs.journal's writers; :func:`held` reads it)."""
+    with contextlib.suppress(OSError):  # a file system without flock: readers fall back to last writes
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
+def held(path: Path) -> bool | None:
+    """Whether a live writer holds ``path`` (:func:`hold`); None when this file system cannot tell. Here, not in
+    kvobs.journal, because the sidecar asks too (whether an engine is alive to answer a replay request) and
+    imports neither numpy nor the hot path that kvobs.journal does."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # gone, or not a file kvobs writes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return False

@@ -518,7 +518,14 @@ class Recorder:
         self.stored = 0
         """Chunks the CPU tier took to store (``prepare_store``'s ``keys_to_store``)."""
         self.loaded = 0
-        """Chunks loaded from the CPU tier (``prepare_load`` calls that succeeded)."""
+        """Chunks loaded from the CPU tier (``prepare_load`` calls that succeeded): every read, re-reads too."""
+        self.promoted = 0
+        """Chunks a tiering manager wrote into the CPU tier from a lower tier (its CPU tier's ``prepare_write``
+        took them: :class:`WriteTap`). Written chunks = ``stored`` + ``promoted``."""
+        self.read_once = 0
+        """Chunks read at least once since written: a load that set a slot's read bit that was clear. Never more
+        than the chunks written (a bit is cleared only by the removal of a written chunk), so read_once over
+        written is a share (kvobs.codes.read_back_share)."""
         # A bit per CPU-tier slot: set when its chunk is loaded, cleared when the chunk is removed, so a
         # removal tells a chunk never read since its store (issue 29: "is the tier doing anything").
         self._read = bytearray((max(0, num_stamps) + 7) >> 3)
@@ -905,9 +912,14 @@ class Recorder:
             return
         read = self._read
         size = len(read) << 3
+        first = 0
         for cid in slots(result):
             if 0 <= cid < size:
-                read[cid >> 3] |= 1 << (cid & 7)
+                bit = 1 << (cid & 7)
+                if not read[cid >> 3] & bit:
+                    read[cid >> 3] |= bit
+                    first += 1
+        self.read_once += first
 
     def stamp(self, chunk_id: int, now: float) -> None:
         """The chunk slot was filled now."""
@@ -1151,6 +1163,32 @@ class PassTap:
         if rec.flight_calls:
             rec.call_captured((_CALL, self.name, args, kwargs or None, None))
         return result
+
+
+class WriteTap:
+    """A tiering manager's CPU tier's ``prepare_write(keys, req_context)`` (vLLM's ``prepare_store`` under the
+    name its promotions call): counts the chunks it took as ``promoted``, an int added on vLLM's thread, no
+    object made (kvobs.vllm.compat.PROMOTION_WRITE)."""
+
+    def __init__(self, rec: Recorder, inner: Callable[..., Any]) -> None:
+        self.rec = rec
+        self.inner = inner
+
+    def __call__(self, keys: Any, req_context: Any) -> Any:
+        result = self.inner(keys, req_context)
+        if result is not None:
+            rec = self.rec
+            try:
+                rec.promoted += len(result.keys_to_store)  # kvobs.vllm.compat.STORED_FIELD
+            except Exception as exc:
+                rec.on_error("record.store", exc)
+        return result
+
+    def __reduce__(self) -> Any:
+        return self.inner.__reduce__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.inner, memo)
 
 
 class LoadTap:

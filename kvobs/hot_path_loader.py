@@ -65,7 +65,7 @@ _impl, HOT_PATH = _load()
 _PUBLIC = (
     "CALL", "FINISH", "LOAD", "LOOKUP", "SNAPSHOT",
     "Breach", "ClearTap", "DeferredReleaseTap", "EvictTap", "FlightSegment", "InsertTap", "NearMiss", "PolicyTap",
-    "Promises", "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict",
+    "Promises", "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict", "WriteTap",
 )
 
 if TYPE_CHECKING:  # the same names, typed (re-exported)
@@ -89,6 +89,7 @@ if TYPE_CHECKING:  # the same names, typed (re-exported)
         RemovalRun as RemovalRun,
         RemoveTap as RemoveTap,
         Verdict as Verdict,
+        WriteTap as WriteTap,
     )
 else:
     globals().update({name: getattr(_impl, name) for name in _PUBLIC})

@@ -28,9 +28,9 @@ directories 0700 and files 0600 (keys are hashes; no prompt text is written).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import os
+import tempfile
 import threading
 import time
 from collections import deque
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvobs.bundles import MAX_BUNDLES, MAX_HEADER_BYTES
-from kvobs.files import keep_newest, private_dir, write_all, write_durably
+from kvobs.files import held, hold, keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
 from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
@@ -118,28 +118,10 @@ def _claim_stem(journal_dir: Path, engine: str) -> str:
     return stem
 
 
-def _hold(fd: int) -> None:
-    """Mark an open segment as its writer's for as long as the writer lives: a shared ``flock``,
-    which the kernel drops when the process dies, however it dies."""
-    with contextlib.suppress(OSError):  # a file system without flock: pruning falls back to last writes
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-
-
-def _held(path: Path) -> bool | None:
-    """Whether a live writer holds ``path`` (:func:`_hold`); None when this file system cannot tell."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False  # gone, or not a file kvobs writes
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # closing drops the probe's lock
-    return False
+_hold = hold
+"""Mark an open segment as its writer's while the writer lives (kvobs.files.hold: the sidecar reads it too)."""
+_held = held
+"""Whether a live writer holds a segment (kvobs.files.held); None when this file system cannot tell."""
 
 
 def _stem_held(journal_dir: Path, stem: str) -> bool:
@@ -166,6 +148,46 @@ def announce_unobserved(options: Options, vllm_version: str, reason: str, detail
         os.close(fd)
         raise
     _announcements.append(fd)  # open, held, for the process's life: a live engine's line is never pruned
+
+
+def dir_source(options: Options) -> str:
+    """Where ``options.dir`` came from, as an operator sets it: the ``dir`` option, else env ``KVOBS_DIR``
+    (kvobs.options.parse_options takes the env when the option is not given)."""
+    return "env KVOBS_DIR" if options.dir is not None and options.dir == os.environ.get("KVOBS_DIR") \
+        else "kvobs option 'dir'"
+
+
+def unusable_dir(directory: str | os.PathLike[str]) -> str | None:
+    """None when kvobs can write its files in ``directory``, else what stops it (the error, with its path).
+
+    Found by really trying, as the journal will: the directory and its ``journal`` and ``failures`` folders
+    are created 0700 (:func:`kvobs.files.private_dir`), and a temporary file is created and removed in each.
+    Never raises: it runs while vLLM builds its manager."""
+    try:
+        root = Path(directory)
+        for folder in (root, root / JOURNAL_DIR, root / FAILURES_DIR):
+            private_dir(folder)
+            fd, probe = tempfile.mkstemp(prefix=".kvobs-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        text = exc.strerror or str(exc) or type(exc).__name__
+        return f"{type(exc).__name__}: {text}" + (f" ({exc.filename})" if exc.filename else "")
+    except Exception as exc:  # a path kvobs cannot even name (an embedded NUL): unusable all the same
+        return repr(exc)
+    return None
+
+
+DIR_LOST = ("kvobs writes no journal, no failure reports and no replay bundles for this engine (kvobs serve sees "
+            "nothing of it; its kvobs_* series stay absent); the in-process failure message and span still work")
+"""What an unusable directory costs (the start-up WARNING, doctor and docs/runbook.md say the same)."""
+
+
+def dir_warning(options: Options, problem: str) -> str:
+    """The one WARNING for an unusable directory: the option or env var, the path, the error, what is off."""
+    return (f"kvobs: the directory {options.dir!r} ({dir_source(options)}) is unusable: {problem}; {DIR_LOST}. "
+            "Fix or change it (kvobs doctor checks it) and restart the engine "
+            "(docs/runbook.md#kvobsunavailable)")
 
 
 _announcements: list[int] = []

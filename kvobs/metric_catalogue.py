@@ -80,10 +80,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_history_chunks", "gauge", (), "Keys in the eviction history."),
     MetricDef("kvobs_history_window_seconds", "gauge", (), "How far back the eviction history reaches."),
     MetricDef("kvobs_stored_chunks", "counter", ("tier",),
-              "Chunks written to an offload tier (a store the tier took: prepare_store's keys_to_store).",
+              "Chunks stored into an offload tier from the GPU (a store the tier took: prepare_store's "
+              "keys_to_store); promotions from a lower tier are not stores (kvobs_written_chunks counts both).",
               values=TIERS, totals="stored", counted="StoreTap (kvobs/hot_path.py)"),
     MetricDef("kvobs_loaded_chunks", "counter", ("tier",),
-              "Chunks loaded back from an offload tier (prepare_load calls that succeeded).",
+              "Chunks loaded back from an offload tier (prepare_load calls that succeeded), every read: a "
+              "chunk read twice counts twice (kvobs_read_once_chunks counts it once).",
               values=TIERS, totals="loaded", counted="Recorder.mark_loaded (kvobs/hot_path.py)"),
     MetricDef("kvobs_stored_bytes", "counter", ("tier",),
               "Bytes of tier capacity those stored chunks took (chunks times the spec's kv_bytes_per_chunk).",
@@ -91,6 +93,14 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_loaded_bytes", "counter", ("tier",),
               "Bytes of tier capacity those loaded chunks held (chunks times the spec's kv_bytes_per_chunk).",
               values=TIERS, totals="loaded_bytes", counted="Observer.counter (loaded chunks x chunk bytes)"),
+    MetricDef("kvobs_written_chunks", "counter", ("tier",),
+              "Chunks written into an offload tier by any path: stores from the GPU and promotions from a "
+              "lower tier (the denominator of the read-back share, kvobs.codes.READ_BACK_SHARE).",
+              values=TIERS, totals="written", counted="StoreTap + WriteTap (kvobs/hot_path.py)"),
+    MetricDef("kvobs_read_once_chunks", "counter", ("tier",),
+              "Chunks read at least once since written into an offload tier, each counted at its first read "
+              "(the numerator of the read-back share, kvobs.codes.READ_BACK_SHARE).",
+              values=TIERS, totals="read_once", counted="Recorder.mark_loaded's read bits (kvobs/hot_path.py)"),
     MetricDef("kvobs_evicted_unread_chunks", "counter", ("reason",),
               "Chunks removed from the CPU tier never loaded since their store (write waste), by reason.",
               values=REASONS, totals="unread", counted="Recorder.removal's read bits (kvobs/hot_path.py)"),
@@ -159,6 +169,20 @@ for _metric in COUNTED:
     TOTALS[_metric.totals] = (*TOTALS.get(_metric.totals, ()), *((_metric.part,) if _metric.part else _metric.values))
 assert all(m.type == "counter" and (len(m.labels) == 1) != bool(m.part) for m in COUNTED), \
     "an engine counter has one label, or no label and a part"
+
+PARTS = ("dir", "flight_recorder")
+"""The ``part`` label of ``kvobs_unavailable``: the parts of kvobs an option asks for that can fail to work."""
+
+VLLM_ONLY: tuple[MetricDef, ...] = (
+    MetricDef("kvobs_unavailable", "gauge", ("part",),
+              "1 while a part of kvobs its options ask for does not work on this engine, else 0 (part: dir, the "
+              "dir option's or KVOBS_DIR's directory is unusable: no journal, failure reports or replay bundles; "
+              "flight_recorder, asked for by flight_calls and not recording).",
+              values=PARTS, counted="Observer.unavailable (kvobs/observer.py)"),
+)
+"""Engine gauges only vLLM's ``/metrics`` carries (``vllm_metrics`` option, as ``vllm:kv_offload_`` + name), never
+the sidecar: what they say matters most when the engine cannot write the directory the sidecar reads
+(docs/design.md, "Mistakes that are loud"). Not in :data:`METRICS`, which is what the sidecar publishes."""
 
 ON_VLLM = tuple(m.name for m in METRICS if m.on_vllm)
 """The counters the ``vllm_metrics`` option also puts on vLLM's own ``/metrics``, as

@@ -178,6 +178,9 @@ class Observer:
         """The flight recorder's window (kvobs/flight.py), when one is kept (kvobs.vllm.flight_recorder.start)."""
         self.flight_off_reason: str | None = None
         """Why no flight recorder runs (a bundle says so)."""
+        self.dir_problem: str | None = None
+        """Why the ``dir`` option's (or KVOBS_DIR's) directory is unusable (kvobs.vllm.evidence found it at start):
+        no journal, reports or bundles; None when it is usable or none is set."""
         self.last_bundle_at: float | None = None
         """When (monotonic) the last replay bundle was written (kvobs.vllm.flight_recorder.bundle_on_failure)."""
         self.chunk_bytes = 0
@@ -272,6 +275,10 @@ class Observer:
             return dict(zip(REASONS, rec.totals()[1], strict=True))
         if key == "unread":
             return dict(zip(REASONS, rec.unread(), strict=True))
+        if key == "written":
+            return {CPU_TIER: rec.stored + rec.promoted}
+        if key == "read_once":
+            return {CPU_TIER: rec.read_once}
         if key in ("stored", "loaded", "stored_bytes", "loaded_bytes"):
             chunks = rec.stored if key.startswith("stored") else rec.loaded
             return {CPU_TIER: chunks * self.chunk_bytes if key.endswith("_bytes") else chunks}
@@ -495,15 +502,24 @@ class Observer:
         self._each_sink(lambda s: s.on_failure(event))
         return event
 
+    def unavailable(self) -> dict[str, bool]:
+        """The parts of kvobs its options ask for that do not work now, by part (kvobs/metric_catalogue.py's
+        ``kvobs_unavailable``): ``dir`` set and unusable; ``flight_recorder`` asked for and not running."""
+        flight = self.flight
+        return {"dir": self.options.dir is not None and self.dir_problem is not None,
+                "flight_recorder": self.options.flight_calls > 0
+                and (flight is None or getattr(flight, "off_reason", None) is not None)}
+
     # -- fault containment -------------------------------------------------
 
-    def internal_error(self, stage: str, exc: BaseException) -> None:
-        """Count a fault of kvobs's own; log the first of each stage."""
+    def internal_error(self, stage: str, exc: BaseException | None, *, said: bool = False) -> None:
+        """Count a fault of kvobs's own; log the first of each stage (``said``: the caller logged it its own
+        way, e.g. the one WARNING for an unusable directory)."""
         errors = self.counts["errors"]
         if stage not in errors:
             stage = "sink"
         errors[stage] += 1
-        if errors[stage] == 1:
+        if errors[stage] == 1 and not said:
             logger.error("kvobs internal error in %s (counted, not raised): %r", stage, exc)
 
     def _each_sink(self, call: Callable[[Sink], None], stage: str | None = None) -> None:

@@ -6,7 +6,9 @@ every engine), and the journal writer thread of each engine with that directory 
 every ``POLL_EVERY_S`` and writes one bundle per request meant for it (kvobs/vllm/flight_recorder.py,
 ``answer``), off the scheduler thread. Bounded: one request per ``REQUEST_EVERY_S`` (the sidecar refuses
 more), each answered once per engine process and ignored, then deleted by the sidecar, after
-``REQUEST_TTL_S``; bundles are pruned to kvobs.bundles.MAX_BUNDLES as at a failure.
+``REQUEST_TTL_S``; bundles are pruned to kvobs.bundles.MAX_BUNDLES as at a failure. The sidecar leaves a
+request only for an engine alive to answer it, and says which requests went unanswered
+(kvobs/sidecar/replays.py: ``answerable``, ``Tracker``).
 """
 
 from __future__ import annotations

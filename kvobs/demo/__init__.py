@@ -20,13 +20,14 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs.children import Stopped, ends_with_signals, start_child, stop_child, stops_deferred
 from kvobs.versions import SUPPORTED_VLLM, minor
 from kvobs.wire.decode import report_files
+from kvobs.wire.format import FAILURES_DIR, report_time_ms
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -103,6 +104,28 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+class BadDir(Exception):
+    """``--dir`` cannot be used; the message names the path and the problem (the demo exits 2 with it)."""
+
+
+def prepare_dir(path: Path) -> Path:
+    """``path``, made (0700, parents too) if need be and checked writable: :class:`BadDir` if not, so a
+    mistyped or unwritable ``--dir`` (``/proc/nope``) ends in one line, not a traceback mid-run."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        raise BadDir(f"--dir {path}: exists and is not a directory") from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise BadDir(f"--dir {path}: cannot create it: {exc.strerror or exc}{where}") from None
+    try:  # a probe, not os.access: root passes os.access on a read-only mount
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise BadDir(f"--dir {path}: cannot write there: {exc.strerror or exc}") from None
+    return path
+
+
 SIDECAR_LOG = "sidecar.log"
 """The demo's sidecar logs into its directory: a pipe nobody reads stops a sidecar once full (it logs a
 line per failure report)."""
@@ -139,16 +162,18 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    # Port first, vLLM after: importing vLLM (and torch) takes 10-20 s, and a taken port must not
-    # wait for that. Else our sidecar dies on the bound port while the other one answers /healthz,
+    # Directory and port first, vLLM after: importing vLLM (and torch) takes 10-20 s, and a bad --dir or a
+    # taken port must not wait for that. Else our sidecar dies on the bound port while the other one answers /healthz,
     # and the summary is checked against a sidecar that never reads this demo's directory.
+    try:
+        directory = prepare_dir(Path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="kvobs-demo-"))
+    except BadDir as exc:
+        print(f"kvobs demo: {exc}", file=sys.stderr)
+        return 2
     if _port_in_use(args.port):
         print(f"kvobs demo: port {args.port} is in use (another kvobs sidecar, e.g. the compose stack?); "
               "pass --port", file=sys.stderr)
         return 2
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-demo-"))
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # the sidecar refuses a directory that does not exist
-    earlier_runs = any((directory / "journal").glob("*.jsonl"))  # the sidecar will count those too
     url = f"http://127.0.0.1:{args.port}"
     console = Console()
     console.line(f"kvobs demo: starting the sidecar on 127.0.0.1:{args.port} and loading vLLM "
@@ -167,14 +192,22 @@ def _run_demo(args: argparse.Namespace) -> int:
         logging.getLogger("vllm").setLevel(logging.ERROR)
         console.line(f"kvobs demo: vLLM {vllm_version} loaded in {time.monotonic() - started:.1f} s")
         _wait_until_up(sidecar, url, directory)
+        # A reused directory: the sidecar counts its earlier runs too. Its counts before this run are
+        # subtracted, so the summary checks and prints this run's figures (it says so).
+        before = _settled_totals(url)
+        run_started = time.time()
         console.line(f"kvobs demo on vLLM {vllm_version}: the real OffloadingConnectorScheduler and offload managers, "
                      "on CPU")
         console.line(f"  sidecar:  {url}/metrics   kvobs directory: {directory}")
         otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         console.line(f"  traces:   {'OTLP to ' + otlp if otlp else 'not exported (set OTEL_EXPORTER_OTLP_ENDPOINT)'}")
         workload = Workload(requests=args.requests, seed=args.seed, duration_s=args.duration)
-        runs = [_run_one(setup, workload, directory, console) for setup in _engine_setups(args)]
-        _summary(console, runs, url, directory, earlier_runs)
+        with open(directory / DEMO_LOG, "w", encoding="utf-8") as log:
+            demo_log = DemoLog(log)
+            runs = [_run_one(setup, workload, directory, console, demo_log) for setup in _engine_setups(args)]
+        _summary(console, runs, url, directory, before)
+        for line in where_to_look(url, directory, run_started):
+            console.line(line)
         if args.keep_serving:
             console.line(f"\nThe sidecar keeps serving {url}/metrics; point Prometheus at it. Ctrl-C to stop.")
             sidecar.wait()
@@ -191,7 +224,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         stop_child(sidecar)
 
 
-def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console) -> EngineRun:
+def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console,
+             demo_log: DemoLog) -> EngineRun:
     from kvobs.demo.workload import run_engine
     console.line(f"\n[{setup.engine}] {setup.describe()}")
     if setup.allocator_retained_tokens:
@@ -205,6 +239,7 @@ def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: C
 
     def on_failure(exc: AssertionError, request: Request) -> None:
         text = str(exc)
+        demo_log.write(text)
         cause = text.rsplit("cause: ", 1)[-1].split(" ", 1)[0]
         if cause in shown:
             return
@@ -237,7 +272,7 @@ def _releases_text(setup: EngineSetup) -> str:
     return ", ".join(failing) or "none of the supported releases"
 
 
-def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path, earlier_runs: bool) -> None:
+def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path, before: dict[str, float]) -> None:
     console.line("\nsummary")
     for run in runs:
         console.line(f"  {run.setup.engine} ({run.setup.spec}): {run.requests} requests in {run.seconds:.1f}s")
@@ -252,26 +287,94 @@ def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path,
         "kvobs_load_failures": sum(sum(r.failures.values()) for r in runs),
         "kvobs_hits_evicted_before_load": sum(sum(r.near_misses.values()) for r in runs),
     }
-    def consistent(seen: dict[str, float]) -> bool:
-        if earlier_runs:  # the directory held earlier runs: the sidecar counts them as well
-            return all(seen[name] >= value for name, value in expected.items())
-        return seen == expected
+    earlier_runs = any(before.values())
+
+    def this_run(seen: dict[str, float]) -> dict[str, float]:
+        return {name: seen[name] - before[name] for name in seen}
 
     deadline = time.monotonic() + 10
     seen = _sidecar_totals(url)
-    while not consistent(seen) and time.monotonic() < deadline:
+    while this_run(seen) != expected and time.monotonic() < deadline:
         time.sleep(0.25)
         seen = _sidecar_totals(url)
-    if not consistent(seen):
-        agree = f"DISAGREES (sidecar {seen}, engines {expected})"
+    counted = this_run(seen)
+    figures = (f"{int(counted['kvobs_evicted_chunks'])} evicted, {int(counted['kvobs_load_failures'])} failed loads, "
+               f"{int(counted['kvobs_hits_evicted_before_load'])} near misses")
+    if counted != expected:
+        console.line(f"  the sidecar DISAGREES on this run (sidecar {counted}, engines {expected})")
+    elif earlier_runs:
+        console.line(f"  the sidecar agrees on this run: {figures} (its counts before this run, from earlier runs "
+                     "in this directory, subtracted)")
     else:
-        agree = "counts this run and the earlier ones in this directory" if earlier_runs else "agrees"
-    console.line(f"  the sidecar {agree}: {int(seen['kvobs_evicted_chunks'])} evicted, "
-                 f"{int(seen['kvobs_load_failures'])} failed loads, "
-                 f"{int(seen['kvobs_hits_evicted_before_load'])} near misses")
-    reports = len(report_files(directory / "failures"))
-    console.line("\nwhere to look")
-    console.line(f"  metrics:          {url}/metrics")
-    console.line(f"  failure reports:  {directory / 'failures'} ({reports} files), {url}/api/v1/failures")
-    console.line(f"  explain a log:    kvobs explain --dir {directory} vllm.log")
-    console.line("  dashboards:       dashboards/ (Grafana; see README, 'Dashboards, alerts, deployment')")
+        console.line(f"  the sidecar agrees: {figures}")
+    if earlier_runs:
+        console.line(f"  the sidecar in all, with the earlier runs: {int(seen['kvobs_evicted_chunks'])} evicted, "
+                     f"{int(seen['kvobs_load_failures'])} failed loads, "
+                     f"{int(seen['kvobs_hits_evicted_before_load'])} near misses")
+
+
+def _settled_totals(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """The sidecar's totals once two reads a poll apart agree: a reused directory's journals can take more than
+    the first ingest round (/healthz answers after it), and a count read too early would be counted as this run's."""
+    from kvobs.sidecar.ingest import POLL_S
+
+    deadline = time.monotonic() + timeout
+    seen = _sidecar_totals(url)
+    while time.monotonic() < deadline:
+        time.sleep(2 * POLL_S)
+        again = _sidecar_totals(url)
+        if again == seen:
+            break
+        seen = again
+    return seen
+
+
+DEMO_LOG = "demo.log"
+"""This run's failed loads, one line each as vLLM's log carries them (``AssertionError: <message>``), for
+``kvobs explain``; rewritten by each run."""
+DEMO_LOG_LINES = 1_000
+"""Lines the demo log holds at most."""
+
+
+class DemoLog:
+    """The demo's stand-in for vLLM's log: what ``kvobs explain`` reads, bounded by ``DEMO_LOG_LINES``."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+        self.lines = 0
+
+    def write(self, message: str) -> None:
+        if self.lines < DEMO_LOG_LINES:
+            self.lines += 1
+            self.file.write("AssertionError: " + " ".join(message.splitlines()) + "\n")
+            self.file.flush()
+
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+"""The Grafana dashboards of a source checkout (the wheel ships none: kvobs/assets.py may)."""
+
+
+def where_to_look(url: str, directory: Path, run_started: float) -> list[str]:
+    """The summary's pointers; each path printed exists when this is called (tests/integration/test_demo.py
+    checks): a hint at a file the demo never wrote sends a new operator nowhere."""
+    lines = ["", "where to look", f"  metrics:          {url}/metrics"]
+    failures = directory / FAILURES_DIR
+    reports = report_files(failures) if failures.is_dir() else []
+    if reports:
+        this_run = sum(1 for path in reports if (report_time_ms(path.stem) or 0) >= run_started * 1000)
+        mine = f", {this_run} from this run" if this_run != len(reports) else ""
+        lines.append(f"  failure reports:  {failures} ({len(reports)} files{mine}), {url}/api/v1/failures")
+    else:
+        lines.append(f"  failure reports:  none written (no load failed), {url}/api/v1/failures")
+    log = directory / DEMO_LOG
+    if log.is_file() and log.stat().st_size:
+        lines.append(f"  explain a log:    kvobs explain {log} --dir {directory}   (the demo's log: this run's failed "
+                     "loads, as vLLM's log has them)")
+    else:
+        lines.append("  explain a log:    kvobs explain VLLM_LOG --dir " f"{directory}   (this run had no failed load)")
+    if DASHBOARDS.is_dir():
+        lines.append(f"  dashboards:       {DASHBOARDS} (Grafana; see README, 'Dashboards, alerts, deployment')")
+    else:
+        lines.append("  dashboards:       the kvobs repository's dashboards/ (Grafana; README, 'Dashboards, alerts, "
+                     "deployment')")
+    return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import textwrap
 import urllib.error
 from http.client import HTTPException
 from pathlib import Path
+from typing import Any
 
 from kvobs.children import Stopped, ends_with_signals, run_child, stop_child
 from kvobs.demo.engine import (
@@ -52,6 +54,37 @@ def _metric_sum(text: str, name: str) -> float:
                if s.name.endswith("_total"))
 
 
+PRODUCTION_INNER_SPEC = "CPUOffloadingSpec"
+"""The inner spec of the config the demo prints to copy (kvobs's default, README "Plug into vllm serve")."""
+DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE = "LookupEvictsSpec", "kvobs.demo.defects"
+"""What the demo runs instead: the injected defect (kvobs/demo/defects.py) on the CPU copy worker's spec."""
+
+
+def copyable_config(directory: Path) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` to copy: the demo's, with kvobs's default inner spec in place of the
+    defect-injecting one (a user who copies it gets plain kvobs around vLLM's CPU spec, never kvobs.demo)."""
+    config = offload_config(kvobs_options={"dir": str(directory), "vllm_metrics": True},
+                            connector="ObservedOffloadingConnector")
+    config["kv_connector_extra_config"]["kvobs"] = {"inner_spec": PRODUCTION_INNER_SPEC, "dir": str(directory),
+                                                    "vllm_metrics": True}
+    return config
+
+
+def config_lines(directory: Path) -> list[str]:
+    """What the demo prints about its config: the command to copy on one line, never wrapped (a terminal
+    wraps it, the text does not), then, apart, what the demo itself runs instead."""
+    return [
+        "  kvobs in vllm serve, to copy (one line):",
+        "    vllm serve MODEL --kv-transfer-config "
+        + shlex.quote(json.dumps(copyable_config(directory), separators=(",", ":"))),
+        textwrap.fill(
+            f"  this demo runs it with one change, not for production: inner_spec {DEMO_INNER_SPEC} from "
+            f"{DEMO_INNER_SPEC_MODULE} (inner_spec_module_path), which injects the defect of step 2 on the CPU "
+            "copy worker's spec (vLLM's transfer worker needs CUDA)", WIDTH, subsequent_indent="    ",
+            break_long_words=False, break_on_hyphens=False),
+    ]
+
+
 def run_serve_demo(args: argparse.Namespace) -> int:
     with ends_with_signals():
         try:
@@ -66,7 +99,7 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvobs.demo import _get, _port_in_use, _start_sidecar, _wait_until_up
+    from kvobs.demo import BadDir, _get, _port_in_use, _start_sidecar, _wait_until_up, prepare_dir
 
     python = Path(args.engine_python or DEFAULT_ENGINE_PYTHON)
     if not python.exists():
@@ -76,9 +109,13 @@ def _run(args: argparse.Namespace) -> int:
     if _port_in_use(args.port):
         print(f"kvobs demo --serve: port {args.port} is in use; pass --port", file=sys.stderr)
         return 2
-    base = Path(args.dir or tempfile.mkdtemp(prefix="kvobs-serve-demo-"))
-    directory, trigger, model = base / "kvobs", base / "defect-trigger", base / "model"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        base = prepare_dir(Path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="kvobs-serve-demo-"))
+        directory = prepare_dir(base / "kvobs")
+    except BadDir as exc:
+        print(f"kvobs demo --serve: {exc}", file=sys.stderr)
+        return 2
+    trigger, model = base / "defect-trigger", base / "model"
     url = f"http://127.0.0.1:{args.port}"
     _say(f"kvobs demo --serve: a real vllm serve on CPU ({python}), with kvobs; everything in {base}")
     _say("  building a tiny random Llama (nothing from a hub) ...")
@@ -88,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     sidecar = _start_sidecar(directory, args.port)
     config = offload_config(
         kvobs_options={"dir": str(directory), "vllm_metrics": True},
-        inner_spec="LookupEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
+        inner_spec=DEMO_INNER_SPEC, inner_spec_module_path=DEMO_INNER_SPEC_MODULE,
         connector="ObservedOffloadingConnector",
     )
     server = VllmServer(python=python, model=model, log_path=base / "vllm.log", kv_transfer_config=config,
@@ -97,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _wait_until_up(sidecar, url, directory)
         _say(f"  sidecar: {url}/metrics (kvobs serve --dir {directory})")
-        _say("  vllm serve ... --kv-transfer-config '" + json.dumps(config) + "'")
+        for line in config_lines(directory):
+            print(line, flush=True)
         _say("  starting vLLM (API server, EngineCore, worker: about a minute on two cores) ...")
         server.start()
         _say(f"  vLLM is up at {server.url}; log: {server.log_path}")
@@ -143,8 +181,8 @@ def _run(args: argparse.Namespace) -> int:
                                str(directory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
         _say(f"   kvobs explain {server.log_path} --dir {directory}:")
         print(textwrap.indent(explained.stdout.strip(), "      "), flush=True)
-        _say("\nWhere to look: the README's 'Reading the message'; the Grafana dashboard (dashboards/) on the"
-             " sidecar's series; docs/runbook.md for what to do about each cause.")
+        _say("\nWhere to look: the README's 'Reading the message'; the Grafana dashboard (`kvobs assets DIR` writes"
+             " it) on the sidecar's series; docs/runbook.md for what to do about each cause.")
         if args.keep_serving:
             _say(f"\nThe sidecar keeps serving {url}/metrics. Ctrl-C to stop.")
             sidecar.wait()

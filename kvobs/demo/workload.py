@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.request import Request
 
+from kvobs.codes import read_back_share
 from kvobs.demo.driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
 from kvobs.demo.incidents import (
     DOCUMENT_TOKENS,
@@ -115,8 +116,24 @@ class EngineRun:
     removals_by_path: dict[str, int] = field(default_factory=dict)
     """Removal batches by the manager call they happened in (those the history still details)."""
     tier: dict[str, int] = field(default_factory=dict)
-    """Chunks stored into and loaded from the CPU tier, and removed unread (issue 29)."""
+    """The CPU tier in chunks (:func:`tier_summary`, issue 41): written (from the GPU, promoted from the fs
+    tier), read, read at least once, evicted, evicted unread, and the read-back share in percent."""
     incident_failed: bool = False
+
+
+def tier_summary(totals: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """The CPU tier's line of the summary, from an engine's totals (``Observer.totals()``), in an order that
+    adds up: written = from the GPU + promoted; read at least once <= written; evicted unread <= evicted <=
+    written; read back (%) is kvobs.codes.read_back_share, the one definition the README, the dashboard and
+    the alert use too (loads over stores is not a share: re-reads count, promotions are not stores)."""
+    written = sum(totals["written"].values())
+    read_once = sum(totals["read_once"].values())
+    share = read_back_share(read_once, written)
+    return {"written": written, "from the GPU": sum(totals["stored"].values()),
+            "promoted": written - sum(totals["stored"].values()), "read": sum(totals["loaded"].values()),
+            "read at least once": read_once, "evicted": sum(totals["evicted"].values()),
+            "evicted unread": sum(totals["unread"].values()),
+            "read back (%)": 0 if share is None else round(100 * share)}
 
 
 def extra_config(setup: EngineSetup, directory: str) -> dict[str, Any]:
@@ -210,9 +227,7 @@ def run_engine(
         observer = manager.observer
         run.requests, run.seconds = traffic.admitted, time.monotonic() - started
         run.evicted, run.near_misses = dict(observer.evicted), dict(observer.near_misses)
-        run.tier = {"stored": sum(observer.counter("stored").values()),
-                    "loaded": sum(observer.counter("loaded").values()),
-                    "evicted unread": sum(observer.counter("unread").values())}
+        run.tier = tier_summary(observer.totals())
         run.failures = dict(observer.failures)
         return run
 

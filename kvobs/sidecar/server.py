@@ -305,6 +305,8 @@ class SidecarServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], ingest: Ingest, token: bytes | None = None) -> None:
         self.ingest = ingest
         self.token = token
+        self.replay_requests = replays.Tracker(ingest)
+        """Follows each replay request to its answer (kvobs/sidecar/replays.py); swept by ``serve``'s thread."""
         self.collector = KvobsCollector(ingest)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -468,7 +470,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(HTTPStatus.OK, served)
         elif url.path == REPLAYS_PATH:
             if self._authorized():
-                self._json(HTTPStatus.OK, replays.listing(self.server.ingest.dir))
+                self._json(HTTPStatus.OK, replays.listing(self.server.ingest.dir, self.server.replay_requests))
         elif url.path.startswith(REPLAYS_PATH + "/"):
             if not self._authorized():
                 return
@@ -521,9 +523,11 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         try:
-            made = replays.request(self.server.ingest.dir, url.query)
+            made = replays.request(self.server.ingest.dir, url.query, self.server.replay_requests)
         except replays.RequestError as exc:
             self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
+        except replays.Refused as exc:  # no engine would answer: said now, not lost after REQUEST_TTL_S
+            self._json(exc.status, {"error": str(exc), "engine": exc.engine, "reason": exc.reason})
         except TooSoon as exc:
             self._json(HTTPStatus.TOO_MANY_REQUESTS, {"error": str(exc), "retry_after_s": exc.retry_after},
                        headers={"Retry-After": str(math.ceil(exc.retry_after))})
@@ -592,9 +596,13 @@ def serve(directory: Path, host: str = "127.0.0.1", port: int = 9464, *, token: 
         ready(http_url(host, server.server_address[1], "/metrics"))
     worker = threading.Thread(target=ingest.run, name="kvobs-ingest", daemon=True)
     worker.start()
+    stop_sweeping = threading.Event()
+    threading.Thread(target=server.replay_requests.run, args=(stop_sweeping,), name="kvobs-replay-requests",
+                     daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
+        stop_sweeping.set()
         server.server_close()
         ingest.stop()
         worker.join(timeout=10)

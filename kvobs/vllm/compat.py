@@ -13,7 +13,14 @@ else in ``kvobs.vllm`` (and the demo harness) asks it. Supported: ``kvobs.versio
 * ``policy.insert(key, chunk, ...)`` adds a stored chunk (0.33 adds ``req_context``);
   ``policy.get(key)`` finds it; a chunk has ``chunk_id`` (its slot) and ``is_ready``;
 * the built-in LRU policy keeps its chunks in ``chunks``, ARC in ``t1`` and ``t2``;
-* a tiering manager's CPU tier is ``TieringOffloadingManager.primary_tier``;
+* a tiering manager's CPU tier is ``TieringOffloadingManager.primary_tier``; its promotions (a chunk
+  read from a secondary tier into the CPU tier) allocate through the CPU tier's instance attribute
+  ``prepare_write`` (its own ``prepare_store``, :data:`PROMOTION_WRITE`), a store from the GPU through
+  ``prepare_store`` itself, so kvobs tells the two writes apart (README, "Is the tier doing anything");
+* a secondary tier's own reads and writes (promotions out of it, cascades into it) are vLLM's figures:
+  ``vllm:kv_offload_tiering_read_bytes`` / ``write_bytes`` by ``tier``, every release; the file-system
+  tier (``FileSystemTierManager``) deletes no file, so nothing is ever evicted from it. kvobs counts
+  neither a second time;
 * the manager methods kvobs taps take ``lookup(key, req_context, *, exclude_tier_idx)``,
   ``prepare_load(keys, req_context)``, ``prepare_store(keys, req_context)``,
   ``complete_store(keys, req_context, success=True)``, ``on_request_finished(req_context, *,
@@ -151,6 +158,11 @@ class Method(NamedTuple):
 STORED_FIELD = "keys_to_store"
 """``PrepareStoreOutput``'s list of the chunks a store writes (every release 0.30-0.34): the ``store`` tap
 (``kvobs.hot_path.StoreTap``) counts them."""
+
+PROMOTION_WRITE = "prepare_write"
+"""The tiering CPU tier's instance attribute its promotions write through (``self.prepare_write =
+self.prepare_store`` in ``CPUPrimaryTierOffloadingManager``, every release 0.30-0.34): tapped
+(``kvobs.hot_path.WriteTap``) to count the chunks written into the CPU tier from a lower tier."""
 
 TAP_KINDS = ("pass", "lookup", "load", "store", "keys", "request", "call", "shutdown")
 
@@ -366,7 +378,7 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
     The taps are instance attributes calling the original bound methods, so the policy
     stays the same object of the same class with the same state.
     """
-    from kvobs.hot_path_loader import ClearTap, DeferredReleaseTap, EvictTap, InsertTap, RemoveTap
+    from kvobs.hot_path_loader import ClearTap, DeferredReleaseTap, EvictTap, InsertTap, RemoveTap, WriteTap
 
     policy = cpu._policy
     recorder.loaded_chunk_ids = loaded_chunk_ids  # a load's chunks, for their read bits
@@ -380,6 +392,9 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
         taps.append(("insert", InsertTap(recorder, policy.insert)))
     for name, tap in taps:
         setattr(policy, name, tap)
+    write = cpu.__dict__.get(PROMOTION_WRITE) if hasattr(cpu, "__dict__") else None
+    if callable(write):  # a tiering CPU tier: its promotions' writes
+        setattr(cpu, PROMOTION_WRITE, WriteTap(recorder, write))
     release = getattr(cpu, DEFERRED_RELEASE_METHOD, None)
     if callable(release):  # 0.34's tiering CPU tier
         setattr(cpu, DEFERRED_RELEASE_METHOD, DeferredReleaseTap(recorder, release, remove))
@@ -740,6 +755,19 @@ def offload_stats_api() -> tuple[type[Any], type[Any]] | str:
     if not _takes(OffloadingCounterMetadata, ("", ("reason",))):
         return f"vLLM {VLLM_VERSION}'s OffloadingCounterMetadata takes no labelnames"
     return OffloadingCounterMetadata, OffloadingConnectorStats
+
+
+def offload_gauge_api() -> type[Any] | None:
+    """vLLM's ``OffloadingGaugeMetadata`` when its stats can carry gauges (``OffloadingConnectorStats.set_gauge``:
+    every release kvobs supports, 0.30.0 to 0.34.0), else None (kvobs's gauges are then left out)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata
+    except ImportError:
+        return None
+    if not callable(getattr(OffloadingConnectorStats, "set_gauge", None)):
+        return None
+    return OffloadingGaugeMetadata
 
 
 SERVED_MODEL_NAME: ContextVar[str | None] = ContextVar("kvobs_served_model_name", default=None)

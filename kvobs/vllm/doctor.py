@@ -122,6 +122,7 @@ def diagnose(kv_transfer_config: str | None) -> Report:
         _hot_path(report)
         _result(report)
         return report
+    _vllm_validates(config, inner_cls, inner_extra, report)
     observed = _observe(config, inner_cls, inner_extra, options, report)
     _vllm_line(report, version_line, observed)
     if options.survive:
@@ -245,6 +246,9 @@ class Observed:
     detail: str
     manager: str
     knows_cpu_tier: bool
+    flight_off: str | None = None
+    """Why the flight recorder ``flight_calls`` asks for stays off on this manager (None: it runs, or is not
+    asked for), found by starting it on the manager built here, as the plugin does."""
 
 
 def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_extra: dict[str, Any],
@@ -275,10 +279,13 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
     else:
         knows = compat.cpu_tier_of(getattr(manager, "inner", manager)) is not None
         observed = Observed(True, "ok", "", name, knows)
+        observer = getattr(manager, "observer", None)
+        if observer is not None and observer.unavailable()["flight_recorder"]:
+            observed.flight_off = observer.flight_off_reason or "it is off"
     finally:
         with contextlib.suppress(Exception):
             manager.shutdown()
-    report.data["observe"] = dataclasses.asdict(observed)
+    report.data["observe"] = {k: v for k, v in dataclasses.asdict(observed).items() if k != "flight_off"}
     if not observed.observes:
         report.say("observes", f"no: kvobs steps aside on vLLM {compat.VLLM_VERSION} ({observed.reason}): "
                    f"{observed.detail} ({name} {built}); the engine would run vLLM's manager unobserved", STEPS_ASIDE)
@@ -289,7 +296,85 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
                    "evictions are not recorded")
     if observed.observes:
         _forwarded(name, report)
+        _recorder(options, observed, report)
     return observed
+
+
+def _recorder(options: Options, observed: Observed, report: Report) -> None:
+    """The flight recorder: off unless ``flight_calls`` asks for it; asked for and unable to run (a tiering
+    manager's state cannot be snapshotted) is a configuration error: the engine would log one WARNING and
+    write no replay bundle."""
+    report.data["flight_recorder"] = {"asked": options.flight_calls > 0,
+                                      "runs": options.flight_calls > 0 and observed.flight_off is None,
+                                      "why_not": observed.flight_off}
+    if options.flight_calls <= 0:
+        report.say("flight recorder", "off (flight_calls is 0, the default): no replay bundles")
+    elif observed.flight_off is not None:
+        report.say("flight recorder", f"asked for (flight_calls={options.flight_calls}) but it cannot run on "
+                   f"{observed.manager}: {observed.flight_off}; the engine would log a WARNING and write no replay "
+                   "bundle (set flight_calls to 0, or use CPUOffloadingSpec)", CONFIG_ERROR)
+    else:
+        report.say("flight recorder", f"on: the last {options.flight_calls} to {2 * options.flight_calls} manager "
+                   f"calls and snapshots, at most {options.flight_bytes / 2**20:.0f} MiB (started on "
+                   f"{observed.manager} here)")
+
+
+def _vllm_validates(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_extra: dict[str, Any],
+                    report: Report) -> None:
+    """vLLM's own checks of the inner spec's settings, on the values given (the manager :func:`_observe` builds is
+    resized and its secondary tiers replaced, so it cannot find what vLLM would refuse): the API server's
+    ``build_metric_definitions`` (a tiering spec resolves each tier's ``type`` there), the spec's ``__init__``
+    (``cpu_bytes_to_use`` present, ``secondary_tiers`` a list, ``tier_poll_interval_s``, ``backpressure``), and
+    each secondary tier through vLLM's ``SecondaryTierFactory.create_secondary_tier`` (its back-pressure
+    detector built for real, with its range checks) with only the tier's constructor replaced by a check of its
+    keyword arguments against the real class's signature: a real tier would open files or dial peers."""
+    extra = json.loads(json.dumps(inner_extra))  # vLLM's code may change what it is given
+    step = f"{inner_cls.__name__}.build_metric_definitions"
+    try:
+        inner_cls.build_metric_definitions(json.loads(json.dumps(extra)))
+        step = f"{inner_cls.__name__}(...)"
+        offloading = dataclasses.replace(_offloading_config(config, inner_cls, inner_extra),
+                                         extra_config={k: v for k, v in extra.items() if k not in CHUNK_SIZE_KEYS})
+        spec = inner_cls(offloading)
+        tiers = getattr(spec, "secondary_tier_configs", None)
+        if isinstance(tiers, list) and tiers:
+            step = "secondary_tiers"
+            _check_tiers(tiers, spec)
+    except Exception as exc:
+        report.data["vllm_validation"] = {"ok": False, "step": step, "error": f"{type(exc).__name__}: {exc}"}
+        report.say("settings", f"vLLM {compat.VLLM_VERSION} refuses the offloading settings "
+                   f"({step}): {type(exc).__name__}: {exc}", CONFIG_ERROR)
+        return
+    report.data["vllm_validation"] = {"ok": True}
+    report.say("settings", f"vLLM {compat.VLLM_VERSION}'s own checks of {inner_cls.__name__}'s settings pass")
+
+
+def _check_tiers(tiers: list[Any], spec: OffloadingSpec) -> None:
+    """Each tier config through vLLM's own factory; raises what vLLM would raise at start-up (or a TypeError
+    naming the tier's unknown or missing parameter)."""
+    import inspect
+
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError:  # a release without tiering: its spec refused the tiers already
+        return
+
+    class _SignatureOnly(SecondaryTierFactory):
+        @classmethod
+        def get_tier_class(cls, tier_config: dict[str, Any]) -> Any:
+            real = SecondaryTierFactory.get_tier_class(tier_config)
+
+            def check(**kwargs: Any) -> None:
+                try:
+                    inspect.signature(real).bind(**kwargs)
+                except TypeError as exc:
+                    raise TypeError(f"tier {tier_config.get('type')!r} ({real.__name__}): {exc}") from None
+            return check
+
+    for tier in tiers:
+        if not isinstance(tier, dict):
+            raise ValueError(f"a secondary tier must be an object, got {tier!r:.80}")
+        _SignatureOnly.create_secondary_tier(json.loads(json.dumps(tier)), memoryview(b""), spec)
 
 
 def _forwarded(manager: str, report: Report) -> None:
@@ -438,14 +523,15 @@ def _directory(options: Options, raw: Mapping[str, Any], report: Report) -> None
         report.say("dir", "none: in-process only (no 'dir' option, no $KVOBS_DIR): no journal, no failure reports, "
                    "nothing for kvobs serve")
         return
-    from kvobs.journal import disk_bound
+    from kvobs.journal import DIR_LOST, disk_bound
 
     source = "option dir" if raw.get("dir") is not None else "$KVOBS_DIR"
     error, note = probe_directory(Path(options.dir))
     report.data["dir"] = {"path": options.dir, "source": source, "writable": error is None,
                           "detail": error or note, "disk_bound_bytes": disk_bound(options)}
     if error is not None:
-        report.say("dir", f"{options.dir} ({source}): {error}", CONFIG_ERROR)
+        report.say("dir", f"{options.dir} ({source}): {error}; the engine would log one WARNING: {DIR_LOST}",
+                   CONFIG_ERROR)
     else:
         report.say("dir", f"{options.dir} ({source}): {note}; kvobs keeps at most "
                    f"{disk_bound(options) / 2**30:.2f} GiB there for one engine")

@@ -8,12 +8,15 @@ one way, observe -> manager -> evidence.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvobs.observer import Observer
 from kvobs.options import Options
 from kvobs.vllm import compat
+
+logger = logging.getLogger("kvobs")
 
 
 def observer_for(manager: OffloadingManager, options: Options) -> Observer:
@@ -26,13 +29,19 @@ def observer_for(manager: OffloadingManager, options: Options) -> Observer:
     observer = Observer(options, num_stamps=0 if cpu is None else compat.num_chunks(cpu))
     journal = None
     if options.dir is not None:
-        from kvobs.journal import JournalSink
+        from kvobs.journal import JournalSink, dir_warning, unusable_dir
 
-        try:
-            journal = JournalSink(options.dir, observer.options, compat.VLLM_VERSION)
-            observer.add_sink(journal)
-        except OSError as exc:  # an unusable directory must not stop the engine: counted, logged, in-process only
-            observer.internal_error("journal", exc)
+        problem = unusable_dir(options.dir)  # tried for real, once: one WARNING, not a fault per write
+        if problem is None:
+            try:
+                journal = JournalSink(options.dir, observer.options, compat.VLLM_VERSION)
+                observer.add_sink(journal)
+            except OSError as exc:  # an unusable directory must not stop the engine: said, in-process only
+                problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            observer.dir_problem = problem  # vllm_metrics: kvobs_unavailable{part="dir"} 1
+            logger.warning("%s", dir_warning(observer.options, problem))
+            observer.internal_error("journal", None, said=True)  # counted as before, logged once, above
     from kvobs.tracing import TracingSink
 
     observer.add_sink(TracingSink(options.tracer_provider, options.engine, options.model_name))

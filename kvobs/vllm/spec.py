@@ -105,6 +105,32 @@ def observe_or_step_aside(inner: OffloadingManager, options: Options) -> Offload
     return observed
 
 
+def observing_line(inner: OffloadingManager, observer: Any) -> str:
+    """The one INFO line an engine logs when kvobs observes it: what is observed, where the evidence goes,
+    and the options that change what kvobs does (a problem with any of them was a WARNING just before)."""
+    from kvobs.hot_path_loader import HOT_PATH
+    from kvobs.journal import dir_source
+
+    options: Options = observer.options
+    if options.dir is None:
+        where = "no directory (in-process only: no 'dir' option, no KVOBS_DIR)"
+    elif observer.dir_problem is not None:
+        where = f"directory {options.dir!r} ({dir_source(options)}) UNUSABLE, no journal: {observer.dir_problem}"
+    else:
+        where = f"directory {options.dir!r} ({dir_source(options)})"
+    if options.flight_calls <= 0:
+        flight = "off"
+    elif observer.unavailable()["flight_recorder"]:
+        flight = f"asked for (flight_calls={options.flight_calls}) but OFF: {observer.flight_off_reason}"
+    else:
+        flight = f"on (flight_calls={options.flight_calls}, flight_bytes={options.flight_bytes})"
+    onoff = {True: "on", False: "off"}
+    return (f"kvobs observes {type(inner).__name__} on vLLM {compat.VLLM_VERSION} (engine {options.engine!r}, "
+            f"model {options.model_name!r}): {where}; flight recorder {flight}; survive {onoff[options.survive]}; "
+            f"vllm_metrics {onoff[options.vllm_metrics]}; history_size {options.history_size}; "
+            f"hot path {HOT_PATH}")
+
+
 class ObservedOffloadingSpec(OffloadingSpec):
     """Builds the inner spec's manager and returns it wrapped by kvobs."""
 
@@ -154,6 +180,10 @@ class ObservedOffloadingSpec(OffloadingSpec):
             observer = getattr(self._manager, "observer", None) if self._manager is not inner else None
             if observer is not None:
                 observer.chunk_bytes = compat.chunk_bytes(self.inner_spec)
+                try:
+                    logger.info("%s", observing_line(inner, observer))
+                except Exception as exc:  # a log line is not worth a fault in vLLM
+                    observer.internal_error("sink", exc)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

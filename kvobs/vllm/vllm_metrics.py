@@ -16,7 +16,15 @@ counters being prometheus_client's, exposes them with ``_total``::
     vllm:kv_offload_kvobs_load_failures_total{model_name, engine, cause}
     vllm:kv_offload_kvobs_hits_evicted_before_load_total{model_name, engine, reason}
 
-They count what the sidecar's ``kvobs_evicted_chunks_total``, ``kvobs_load_failures_total`` and
+and, a gauge only vLLM's ``/metrics`` carries (kvobs/metric_catalogue.py's ``VLLM_ONLY``)::
+
+    vllm:kv_offload_kvobs_unavailable{model_name, engine, part}
+
+1 while a part of kvobs its options ask for does not work (``part="dir"``: the directory is unusable;
+``part="flight_recorder"``: asked for, not recording): the sidecar cannot say so, since it learns of an
+engine only from what the engine writes in that directory (docs/design.md, "Mistakes that are loud").
+
+The counters count what the sidecar's ``kvobs_evicted_chunks_total``, ``kvobs_load_failures_total`` and
 ``kvobs_hits_evicted_before_load_total`` count (kvobs/sidecar/metrics.py), with the same help texts
 (both from kvobs/metric_catalogue.py), under other names, so
 that a query over one family never adds the other. The ``vllm:`` prefix also lets vLLM's
@@ -29,7 +37,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvobs.metric_catalogue import METRIC, ON_VLLM, VLLM_PREFIX
+from kvobs.metric_catalogue import METRIC, ON_VLLM, VLLM_ONLY, VLLM_PREFIX
 from kvobs.options import Options
 from kvobs.vllm import compat
 
@@ -44,6 +52,10 @@ COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = tuple(
     (VLLM_PREFIX + metric.name, metric.labels[0], metric.help, metric.values) for metric in ON_VLLM_METRICS
 )
 """(name as declared, its label, help text, every label value): the catalogue's (kvobs/metric_catalogue.py)."""
+GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = tuple(
+    (VLLM_PREFIX + metric.name, metric.labels[0], metric.help, metric.values) for metric in VLLM_ONLY
+)
+"""The same for the gauges only vLLM's ``/metrics`` carries (``kvobs_unavailable``)."""
 
 _warned = False
 
@@ -70,7 +82,13 @@ def metric_definitions(options: Options) -> dict[str, Any]:
     if api is None:
         return {}
     counter_metadata = api[0]
-    return {name: counter_metadata(documentation=doc, labelnames=(label,)) for name, label, doc, _ in COUNTERS}
+    definitions: dict[str, Any] = {name: counter_metadata(documentation=doc, labelnames=(label,))
+                                   for name, label, doc, _ in COUNTERS}
+    gauge_metadata = compat.offload_gauge_api()
+    if gauge_metadata is not None:
+        definitions.update({name: gauge_metadata(documentation=doc, labelnames=(label,))
+                            for name, label, doc, _ in GAUGES})
+    return definitions
 
 
 class StatsTap:
@@ -87,19 +105,37 @@ class StatsTap:
         self._observer = observer
         self._stats_cls = stats_cls
         self._last: dict[tuple[str, str], int] = {}
+        self._gauges = compat.offload_gauge_api() is not None
+        self._last_gauges: dict[tuple[str, str], int] = {}
 
     def __call__(self) -> Any:
         stats = self._inner_get_stats()
         try:
             increments = self.increments()
-            if increments:
+            gauges = self.gauge_changes() if self._gauges else []
+            if increments or gauges:
                 if stats is None:
                     stats = self._stats_cls()
                 for name, value, delta in increments:
                     stats.increase_counter(name, delta, (value,))
+                for name, value, level in gauges:
+                    stats.set_gauge(name, level, (value,))
         except Exception as exc:  # kvobs never changes what vLLM gets because of its own fault
             self._observer.internal_error("sink", exc)
         return stats
+
+    def gauge_changes(self) -> list[tuple[str, str, int]]:
+        """(name, label value, value) of the gauges that changed since the last call (every one on the first:
+        vLLM's gauge keeps its last value, so a payload each step is not needed)."""
+        unavailable = self._observer.unavailable()
+        out: list[tuple[str, str, int]] = []
+        for name, _, _, values in GAUGES:
+            for value in values:
+                level = int(unavailable.get(value, False))
+                if self._last_gauges.get((name, value)) != level:
+                    self._last_gauges[(name, value)] = level
+                    out.append((name, value, level))
+        return out
 
     def totals(self) -> dict[str, dict[str, int]]:
         """kvobs's counters now, by declared name and label value (the observer's, by the catalogue's totals key)."""

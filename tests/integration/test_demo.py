@@ -170,13 +170,108 @@ def test_demo_rejects_bad_sizes_with_a_clear_message() -> None:
 
 
 @pytest.mark.slow
-def test_demo_on_a_directory_with_an_earlier_run_says_the_sidecar_counts_both(tmp_path: Path) -> None:
-    first, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
-    assert first.returncode == 0 and "the sidecar agrees" in first.stdout, first.stdout[-2000:]
-    again, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
+def test_demo_on_a_reused_directory_prints_this_runs_figures(tmp_path: Path) -> None:
+    """Issue 41: a second run on one directory said "the sidecar counts this run" with both runs' totals. Its
+    check subtracts the sidecar's counts before the run, says so, and agrees with this run's engines alone."""
+    first, directory = _run_demo(tmp_path, "--no-tiering", "--requests", "40")
+    assert first.returncode == 0 and "the sidecar agrees: " in first.stdout, first.stdout[-2000:]
+    first_summary = first.stdout.split("\nsummary\n", 1)[1]
+    again, _ = _run_demo(tmp_path, "--no-tiering", "--requests", "40", "--seed", "5")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "the sidecar counts this run and the earlier ones in this directory" in again.stdout
-    assert "DISAGREES" not in again.stdout
+    summary = again.stdout.split("\nsummary\n", 1)[1]
+    assert "DISAGREES" not in summary, summary
+    said = re.search(r"the sidecar agrees on this run: (\d+) evicted, (\d+) failed loads, (\d+) near misses \(its "
+                     r"counts before this run, from earlier runs in this directory, subtracted\)", summary)
+    assert said, summary
+    printed = _printed_totals(summary)["dp0"]
+    assert [int(n) for n in said.groups()] == [sum(printed[k].values()) for k in ("evicted", "failures", "near")]
+    both = _journaled_totals(directory)["dp0"]  # the sidecar's ingest: both runs
+    earlier = _printed_totals(first_summary)["dp0"]
+    in_all = re.search(r"the sidecar in all, with the earlier runs: (\d+) evicted, (\d+) failed loads", summary)
+    assert in_all and int(in_all.group(1)) == sum(both["evicted"].values()) == (
+        sum(printed["evicted"].values()) + sum(earlier["evicted"].values()))
+    # Reports: this run's counted apart; every path printed exists; the printed explain command runs.
+    assert re.search(r"failure reports:  \S+ \(\d+ files, \d+ from this run\)", summary), summary
+    _check_hints(summary, directory)
+
+
+PATH = re.compile(r"(?<![\w:/.])(/[^\s(),']+)")
+"""An absolute path in the demo's output (not a URL's path)."""
+
+
+def _check_hints(summary: str, directory: Path) -> None:
+    """Every path of "where to look" exists, and its explain command explains this run's failures."""
+    where = summary.split("\nwhere to look\n", 1)[1]
+    paths = PATH.findall(where)
+    assert str(directory) in paths and all(Path(p).exists() for p in paths), (paths, where)
+    command = re.search(r"explain a log:    (kvobs explain \S+ --dir \S+)", where)
+    assert command, where
+    explained = subprocess.run([sys.executable, "-m", "kvobs.cli", *command.group(1).split()[1:]], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0 and "coverage_mismatch" in explained.stdout, explained.stdout[-2000:]
+
+
+def test_where_to_look_names_only_files_that_exist(tmp_path: Path) -> None:
+    """Issue 41: the hint named a vllm.log the demo never wrote. Each path printed must exist when printed,
+    with failures and without."""
+    from kvobs.demo import DEMO_LOG, where_to_look
+
+    url = "http://127.0.0.1:9464"
+    empty = where_to_look(url, tmp_path, time.time())
+    assert all(Path(p).exists() for p in PATH.findall("\n".join(empty))), empty
+    assert "none written" in "\n".join(empty) and "this run had no failed load" in "\n".join(empty)
+    (tmp_path / "failures").mkdir()
+    now_ms = int(time.time() * 1000)
+    for ms in (now_ms - 60_000, now_ms + 10):  # an earlier run's report and this run's
+        (tmp_path / "failures" / f"{ms:015d}-dp0-1-1.json").write_text("{}")
+    (tmp_path / DEMO_LOG).write_text("AssertionError: Chunk b'x' not found in cache\n")
+    lines = "\n".join(where_to_look(url, tmp_path, now_ms / 1000))
+    paths = PATH.findall(lines)
+    assert {str(tmp_path / "failures"), str(tmp_path / DEMO_LOG), str(tmp_path)} <= set(paths), lines
+    assert all(Path(p).exists() for p in paths), paths
+    assert "(2 files, 1 from this run)" in lines and "vllm.log" not in lines
+
+
+@pytest.mark.parametrize("bad", ["/proc/nope", "file", "file/below"])
+def test_a_bad_dir_is_one_line_and_exit_2(tmp_path: Path, bad: str) -> None:
+    """Issue 41: ``--dir /proc/nope`` ended in a traceback. Now one line naming the path and the problem, for the
+    demo and for ``--serve`` (its engine python a stand-in: the directory is checked before anything starts)."""
+    (tmp_path / "file").write_text("")
+    path = bad if bad.startswith("/") else str(tmp_path / bad)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 0\n")
+    python.chmod(0o755)
+    for serve in ([], ["--serve", "--engine-python", str(python)]):
+        run = subprocess.run([sys.executable, "-m", "kvobs.cli", "demo", "--dir", path, "--port", str(free_port()),
+                              *serve], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, (serve, run.stdout[-1000:], run.stderr[-2000:])
+        assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert f"--dir {path}: " in run.stderr and any(
+            why in run.stderr for why in ("No such file", "not a directory", "Not a directory")), run.stderr
+
+
+def test_the_serve_demos_printed_config_is_plain_kvobs_on_one_line(tmp_path: Path) -> None:
+    """Issue 41: the config printed "to copy" was wrapped into its path and named the defect-injecting spec.
+    It is one line whose JSON is kvobs around vLLM's CPU spec, valid kvobs options; the defect is named apart."""
+    import shlex
+
+    from kvobs.demo.serve import DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE, config_lines
+    from kvobs.options import parse_options
+
+    directory = tmp_path / "it's a dir" / "kvobs"
+    lines = config_lines(directory)
+    [command] = [line for line in lines if "--kv-transfer-config" in line]
+    words = shlex.split(command)
+    assert words[:3] == ["vllm", "serve", "MODEL"] and words[3] == "--kv-transfer-config" and len(words) == 5
+    config = json.loads(words[4])
+    assert "kvobs.demo" not in words[4] and DEMO_INNER_SPEC not in words[4]
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "ObservedOffloadingSpec" and extra["spec_module_path"] == "kvobs.vllm"
+    assert extra["kvobs"]["inner_spec"] == "CPUOffloadingSpec" and extra["kvobs"]["dir"] == str(directory)
+    assert parse_options({k: v for k, v in extra["kvobs"].items() if k != "inner_spec"}).dir == str(directory)
+    note = " ".join(line for line in lines if line is not command)
+    assert DEMO_INNER_SPEC in note and DEMO_INNER_SPEC_MODULE in note and "not for production" in " ".join(
+        note.split())
 
 
 def _children(pid: int) -> set[int]:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import pytest
 
 import kvobs
+from kvobs.journal import DIR_LOST
 from kvobs.versions import SUPPORTED_VLLM
 from kvobs.vllm import compat
 from kvobs.vllm.doctor import version_relation
@@ -125,7 +126,9 @@ def test_a_good_config_observes_and_leaves_the_directory_as_it_was(runs: dict[st
     assert said["hot path"] in ("compiled (mypyc)",) or said["hot path"].startswith("pure Python")
     assert said["dir"].startswith(f"{tmp / 'existing'} (option dir): writable; kvobs keeps at most 1.09 GiB")
     assert said["result"] == "kvobs will observe this engine"
-    assert len(said) == 9
+    assert said["settings"] == f"vLLM {compat.VLLM_VERSION}'s own checks of CPUOffloadingSpec's settings pass"
+    assert said["flight recorder"] == "off (flight_calls is 0, the default): no replay bundles"
+    assert len(said) == 11
     assert sorted(str(p.relative_to(tmp)) for p in (tmp / "existing").rglob("*")) == [
         "existing/failures", "existing/journal"]  # every probe file removed
 
@@ -173,7 +176,8 @@ def test_a_directory_that_cannot_be_created(runs: dict[str, Run], tmp: Path) -> 
     assert said["survive"] == ("needs \"kv_load_failure_policy\": \"recompute\" (it is 'fail'; start-up refuses "
                                "it)")
     a_file = tmp / "a-file"
-    assert said["dir"] == f"{a_file / 'sub'} ($KVOBS_DIR): cannot be created: {a_file} is not a directory"
+    assert said["dir"] == (f"{a_file / 'sub'} ($KVOBS_DIR): cannot be created: {a_file} is not a directory; "
+                           f"the engine would log one WARNING: {DIR_LOST}")
     assert said["result"] == "fix the configuration above first (exit 2)"
 
 

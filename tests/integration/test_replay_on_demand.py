@@ -6,6 +6,8 @@ replay runs every call to the end without diverging)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,11 +19,11 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvobs.bundles import MAX_BUNDLES
 from kvobs.cli import main as kvobs_main
-from kvobs.replay_requests import REQUEST_EVERY_S, make_request
+from kvobs.replay_requests import POLL_EVERY_S, REQUEST_EVERY_S, REQUEST_TTL_S, make_request, requests_dir
 from kvobs.sidecar.replays import REPLAYS_PATH
 from kvobs.vllm.replay import load, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
-from tests.support.services import Sidecar, http_get, wait_for
+from tests.support.services import ROOT, Sidecar, http_get, wait_for
 from tests.support.vllm_env import cpu_extra, key
 
 
@@ -54,6 +56,14 @@ def bundles(sidecar: Sidecar, headers: dict[str, str] | None = None) -> dict[str
     return dict(json.loads(body))
 
 
+def live_engine(managers: list, sidecar: Sidecar, engine: str = "0", **options: Any) -> OffloadingManager:
+    """An observed manager writing to the sidecar's directory, once its journal is there: an engine alive to
+    answer (a request for none is refused)."""
+    m = observed(managers, cpu_extra(64), dir=str(sidecar.dir), engine=engine, **options)
+    wait_for(lambda: list((sidecar.dir / "journal").glob(f"{engine}-*.jsonl")), what=f"engine {engine}'s journal")
+    return m
+
+
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
     running = Sidecar(tmp_path / "kvobs").start()
@@ -77,11 +87,15 @@ def answered(sidecar: Sidecar, request_id: str, m: OffloadingManager, first: int
 def test_a_requested_bundle_is_written_while_the_engine_works_and_replays(
     managers: list, sidecar: Sidecar, tmp_path: Path
 ) -> None:
-    m = observed(managers, cpu_extra(64), dir=str(sidecar.dir), flight_calls=2_000)
+    m = live_engine(managers, sidecar, flight_calls=2_000)
     traffic(m, 300, 1_000)
     status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}")
-    assert status == 202 and made["engine"] is None and made["bundles"] == REPLAYS_PATH
+    assert status == 202 and made["engine"] is None and made["bundles"] == REPLAYS_PATH, made
+    assert made["expected"] == ["0"], made
     listed = answered(sidecar, made["request"], m, 5_000)
+    [followed] = bundles(sidecar)["requests"]  # the sidecar followed it to its answer
+    assert followed["request"] == made["request"] and followed["state"] == "answered", followed
+    assert followed["expected"] == followed["answered_by"] == ["0"] and followed["reason"] is None
     assert listed["engine"] == "0" and listed["failure"] is None
     assert listed["replayable"] is True and listed["calls"] > 100 and listed["why_not"] is None
 
@@ -104,7 +118,7 @@ def test_a_requested_bundle_is_written_while_the_engine_works_and_replays(
 
 
 def test_an_engine_without_the_recorder_answers_with_why(managers: list, sidecar: Sidecar) -> None:
-    m = observed(managers, cpu_extra(64), dir=str(sidecar.dir), engine="dp1")  # flight_calls 0: the default
+    m = live_engine(managers, sidecar, "dp1")  # flight_calls 0: the default
     status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}?engine=dp1")
     assert status == 202 and made["engine"] == "dp1"
     listed = answered(sidecar, made["request"], m, 1_000)
@@ -112,16 +126,60 @@ def test_an_engine_without_the_recorder_answers_with_why(managers: list, sidecar
     assert "flight_calls is 0" in listed["why_not"]
 
 
-def test_a_request_for_another_engine_is_not_answered(managers: list, sidecar: Sidecar) -> None:
-    m = observed(managers, cpu_extra(64), dir=str(sidecar.dir), flight_calls=2_000)  # engine "0"
-    status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}?engine=dp7")
-    assert status == 202 and made["engine"] == "dp7"
-    deadline = time.monotonic() + 3  # three of the engine's polls
-    while time.monotonic() < deadline:
-        traffic(m, 20, 1_000)
-        time.sleep(0.1)
+def test_a_request_for_an_engine_the_directory_never_had_is_a_404(managers: list, sidecar: Sidecar) -> None:
+    """Issue 41: it was a 202 "answers within seconds", and vanished a minute later, unsaid."""
+    live_engine(managers, sidecar)  # engine "0"
+    status, _, body = post(f"{sidecar.url}{REPLAYS_PATH}?engine=dp7")
+    assert status == 404 and body["engine"] == "dp7" and body["reason"] == "unknown", body
+    assert "'dp7'" in body["error"] and "no journal" in body["error"]
     listing = bundles(sidecar)
-    assert listing["bundles"] == [] and [p["engine"] for p in listing["pending"]] == ["dp7"]
+    assert listing["bundles"] == listing["pending"] == listing["requests"] == []
+    assert post(f"{sidecar.url}{REPLAYS_PATH}?engine=0")[0] == 202  # refused, it held no slot of the rate limit
+
+
+def _dead_engine(directory: Path, engine: str) -> None:
+    """A stand-in EngineCore process that journals, then dies on a failed load as EngineCore does."""
+    died = subprocess.run([sys.executable, "-m", "tests.support.engine_process", str(directory), engine, "4", "fail"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert died.returncode != 0 and "AssertionError" in died.stderr, died.stderr[-2000:]
+    assert list((directory / "journal").glob(f"{engine}-*.jsonl"))
+
+
+def test_a_request_for_a_dead_engine_is_a_409_saying_why(managers: list, sidecar: Sidecar) -> None:
+    """Its journal is there, but no live process holds it (the writer's flock died with it): nothing would
+    answer. The same for a request to every engine when none is alive; a live one is asked as before."""
+    _dead_engine(sidecar.dir, "dp3")
+    status, _, body = post(f"{sidecar.url}{REPLAYS_PATH}?engine=dp3")
+    assert status == 409 and body["engine"] == "dp3" and body["reason"] == "not_alive", body
+    assert "'dp3'" in body["error"] and "died" in body["error"]
+    status, _, body = post(f"{sidecar.url}{REPLAYS_PATH}")
+    assert status == 409 and body["engine"] is None and body["reason"] == "no_live_engine", body
+    assert "dp3" in body["error"]
+    assert not requests_dir(sidecar.dir).exists() or not any(requests_dir(sidecar.dir).iterdir())
+    live_engine(managers, sidecar, "dp1")
+    status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}")
+    assert status == 202 and made["expected"] == ["dp1"], made  # the dead dp3 is not waited for
+
+
+def test_a_request_no_engine_answers_in_time_is_listed_and_logged_as_unanswered(
+    managers: list, sidecar: Sidecar
+) -> None:
+    """A request that expires unanswered (here one left for an engine that never comes, REQUEST_TTL_S - 2 s
+    ago, as by an earlier sidecar) is listed with its state and reason, and logged in one line, once."""
+    m = observed(managers, cpu_extra(64), dir=str(sidecar.dir))  # engine "0": answers only its own
+    lost = make_request(sidecar.dir, "dp9", now=time.time() - REQUEST_TTL_S + 2)
+
+    def settled() -> dict[str, Any] | None:
+        traffic(m, 5, 1_000)
+        found = [r for r in bundles(sidecar)["requests"] if r["request"] == lost.id]
+        return found[0] if found and found[0]["state"] != "pending" else None
+
+    state = wait_for(settled, what="the request to settle", timeout=20)
+    assert state["state"] == "unanswered" and state["expected"] == ["dp9"] and state["answered_by"] == [], state
+    assert "no bundle from dp9 within 60 s" in state["reason"]
+    time.sleep(2 * POLL_EVERY_S)  # more sweeps: still one line
+    lines = [line for line in sidecar.log_lines() if lost.id in line]
+    assert len(lines) == 1 and "unanswered" in lines[0] and "dp9" in lines[0], sidecar.log_lines()[-20:]
 
 
 @pytest.mark.parametrize(("query", "parameter", "says"), [
@@ -135,7 +193,7 @@ def test_a_bad_request_is_a_400_naming_the_parameter(sidecar: Sidecar, query: st
     assert not (sidecar.dir / "replay").exists()
 
 
-def test_with_a_token_every_replay_endpoint_needs_it(tmp_path: Path) -> None:
+def test_with_a_token_every_replay_endpoint_needs_it(managers: list, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     token.chmod(0o600)
@@ -146,6 +204,7 @@ def test_with_a_token_every_replay_endpoint_needs_it(tmp_path: Path) -> None:
         for path in (REPLAYS_PATH, f"{REPLAYS_PATH}/000000000000001-0-1-1"):
             assert http_get(f"{sidecar.url}{path}")[0] == 401
         auth = {"Authorization": "Bearer s3cret"}
+        live_engine(managers, sidecar)
         assert post(f"{sidecar.url}{REPLAYS_PATH}", auth)[0] == 202
         assert len(bundles(sidecar, auth)["pending"]) == 1
         status, _, body = http_get(f"{sidecar.url}{REPLAYS_PATH}/000000000000001-0-1-1", auth)
@@ -185,14 +244,16 @@ def test_requested_bundles_never_push_out_a_failures(managers: list, sidecar: Si
     assert len([b for b in listing if b["requested"]]) == MAX_BUNDLES
 
 
-def test_a_request_from_a_clock_stepped_back_does_not_block_new_ones(sidecar: Sidecar) -> None:
+def test_a_request_from_a_clock_stepped_back_does_not_block_new_ones(managers: list, sidecar: Sidecar) -> None:
+    live_engine(managers, sidecar)
     ahead = make_request(sidecar.dir, None, now=time.time() + 3600)  # made before the clock went back an hour
     status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}")
     assert status == 202, made
     assert [p["request"] for p in bundles(sidecar)["pending"]] == [made["request"]] != [ahead.id]
 
 
-def test_a_small_body_is_ignored_and_a_large_one_refused_unread(sidecar: Sidecar) -> None:
+def test_a_small_body_is_ignored_and_a_large_one_refused_unread(managers: list, sidecar: Sidecar) -> None:
+    live_engine(managers, sidecar)
     request = urllib.request.Request(f"{sidecar.url}{REPLAYS_PATH}", data=b"x" * 5000, method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)

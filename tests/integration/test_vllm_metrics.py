@@ -47,6 +47,8 @@ SERIES = {
     "vllm:kv_offload_kvobs_hits_evicted_before_load_total": ("reason", REASONS, "near_misses"),
 }
 """The series on vLLM's /metrics: label, its values, and the Observer counter they must equal."""
+UNAVAILABLE = "vllm:kv_offload_kvobs_unavailable"
+"""And the gauge only vLLM's /metrics carries (tests/integration/test_bad_settings.py sets it to 1)."""
 
 
 def ordinary_traffic(driver: EngineStepDriver, *, seed: int, steps: int) -> Iterator[int]:
@@ -128,8 +130,9 @@ def test_kvobs_counters_on_vllms_own_metrics(tmp_path: Path, vllm_registry: None
         engine_stats()  # before any traffic: every series at 0
         first = {name: dict(by_labels) for name, by_labels in payloads[0]["data"].items()
                  if name.startswith(vllm_metrics.PREFIX)}
-        assert first == {name.removesuffix("_total"): {(value,): 0 for value in values}
-                         for name, (_, values, _) in SERIES.items()}
+        assert first == {**{name.removesuffix("_total"): {(value,): 0 for value in values}
+                            for name, (_, values, _) in SERIES.items()},
+                         UNAVAILABLE: {("dir",): 0, ("flight_recorder",): 0}}  # all there, nothing unavailable
 
         replay_failure(driver)
         for _ in ordinary_traffic(driver, seed=7, steps=40):  # more evictions, reported as increments
@@ -149,7 +152,7 @@ def test_kvobs_counters_on_vllms_own_metrics(tmp_path: Path, vllm_registry: None
         assert all((load_failures not in p["data"]) or sum(p["data"][load_failures].values()) for p in payloads[1:])
         text = generate_latest(REGISTRY).decode()
         names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
-        assert {name for name in names if "kvobs" in name and not name.endswith("_created")} == set(SERIES)
+        assert {name for name in names if "kvobs" in name and not name.endswith("_created")} == {*SERIES, UNAVAILABLE}
         assert ('vllm:kv_offload_kvobs_load_failures_total{cause="evicted_after_lookup",engine="0",'
                 'model_name="kvobs/cpu-harness"} 1.0') in text
         assert not any(name.startswith("kvobs_") for name in names)  # never the sidecar's names

@@ -39,7 +39,7 @@ def test_an_unwritable_directory_does_not_stop_the_engine(
             blocker = tmp_path / "not-a-dir"
             blocker.write_text("x")
             directory = blocker / "kvobs"
-        stack.enter_context(caplog.at_level(logging.ERROR, logger="kvobs"))
+        stack.enter_context(caplog.at_level(logging.WARNING, logger="kvobs"))
         manager = observed_cpu(dir=str(directory), engine="e0")
         try:
             churn(manager, 5)
@@ -50,7 +50,11 @@ def test_an_unwritable_directory_does_not_stop_the_engine(
             assert obs.evicted["capacity"] == 4 * 4 + 2 * 8 and obs.failures["evicted_after_lookup"] == 2
         finally:
             manager.shutdown()
-        assert kvobs_error_logs(caplog, "journal") == 1
+        # Said once, as a WARNING naming the path and what is off (issue 41), not as a kvobs fault.
+        assert kvobs_error_logs(caplog, "journal") == 0
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvobs" and r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and f"the directory {str(directory)!r} (kvobs option 'dir') is unusable" \
+            in warnings[0], warnings
         assert not directory.exists()
 
 
