@@ -13,6 +13,7 @@ from typing import Any
 
 from dashboards.config import Config
 from dashboards.dashboard import HISTORY_WINDOW_ALERT_S
+from dashboards.names import m, matcher, on_vllm
 from kvobs.codes import read_back_share_promql
 
 FAILURE_WINDOW_S = 3600
@@ -63,11 +64,16 @@ def rules(config: Config) -> dict[str, Any]:
     at = "engine {{ $labels.engine }} of {{ $labels.model_name }} at {{ $labels.instance }}"
     at_cap = "Engine {{ $labels.engine }} of {{ $labels.model_name }} at {{ $labels.instance }}"
     window = FAILURE_WINDOW_S
-    causes = _causes(config, "kvobs_last_load_failure_timestamp_seconds")
+    last_failure, previous_failure = (m("kvobs_last_load_failure_timestamp_seconds"),
+                                      m("kvobs_previous_load_failure_timestamp_seconds"))
+    failures, errors = m("kvobs_load_failures", "total"), m("kvobs_internal_errors", "total")
+    report = matcher("kvobs_internal_errors", "stage", "report")
+    build, sidecar_build = m("kvobs_build_info"), m("kvobs_sidecar_build_info")
+    causes = _causes(config, last_failure)
     counts = config.counts  # one event must alert even in a series' first scrape (dashboards/promql.py)
     hour_ago = f"(time() - {FAILURE_WINDOW_S})"
-    report_errors = counts.counted("kvobs_internal_errors_total", 'stage="report"', "1h", hour_ago)
-    recompute_alarms = counts.counted("kvobs_recompute_alarms_total", "", "1h", hour_ago)
+    report_errors = counts.counted(errors, report, "1h", hour_ago)
+    recompute_alarms = counts.counted(m("kvobs_recompute_alarms", "total"), "", "1h", hour_ago)
 
     def alert(name: str, expr: str, severity: str, summary: str, description: str, *,
               for_: str | None = None, keep_firing_for: str | None = None) -> dict[str, Any]:
@@ -86,7 +92,7 @@ def rules(config: Config) -> dict[str, Any]:
         # restarted without its storage, a second HA replica or a scrape gap neither re-raises old failures
         # nor misses one of the last hour. One alert an engine; the value: how long ago.
         alert("KvobsLoadFailure",
-              f"time() - max by ({engine}) (kvobs_last_load_failure_timestamp_seconds > 0) < {window}\n",
+              f"time() - max by ({engine}) ({last_failure} > 0) < {window}\n",
               "warning",
               "A KV offload load failed on engine {{ $labels.engine }} of {{ $labels.model_name }}; kvobs named "
               "its cause.",
@@ -100,9 +106,9 @@ def rules(config: Config) -> dict[str, Any]:
         # (each cause's newest and the one before it) counted per engine. One alert an engine.
         alert("KvobsLoadFailuresRepeated",
               f"count by ({engine}) (\n"
-              f"  (time() - (kvobs_last_load_failure_timestamp_seconds > 0) < {window})\n"
+              f"  (time() - ({last_failure} > 0) < {window})\n"
               "  or\n"
-              f"  label_replace(time() - (kvobs_previous_load_failure_timestamp_seconds > 0) < {window},"
+              f"  label_replace(time() - ({previous_failure} > 0) < {window},"
               ' "failure", "previous", "", "")\n'
               ") > 1\n",
               "critical",
@@ -118,13 +124,13 @@ def rules(config: Config) -> dict[str, Any]:
               "warning",
               "A kvobs failure report could not be written; the load-failure alerts cannot see that failure.",
               f"kvobs on {at} could not write a failure report in the last hour "
-              "(kvobs_internal_errors_total{stage=\"report\"}), nearly always a full or read-only KVOBS_DIR. The "
-              "failed load is counted in kvobs_load_failures_total, but KvobsLoadFailure and "
+              f"({errors}{{{report}}}), nearly always a full or read-only KVOBS_DIR. The "
+              f"failed load is counted in {failures}, but KvobsLoadFailure and "
               "KvobsLoadFailuresRepeated read the reports and do not fire for it, and /api/v1/failures does not "
               "have it. The engine's log has the assertion.",
               keep_firing_for=KEEP_FIRING),
         alert("KvobsNearMissesRising",
-              f"sum by ({engine}) (increase(kvobs_hits_evicted_before_load_total[10m])) > 10",
+              f"sum by ({engine}) (increase({m('kvobs_hits_evicted_before_load', 'total')}[10m])) > 10",
               "warning",
               "Offload hits are being evicted before their load (near misses).",
               f"{at_cap} saw {{{{ printf \"%.0f\" $value }}}} chunks in the last 10 minutes that a lookup reported "
@@ -133,9 +139,9 @@ def rules(config: Config) -> dict[str, Any]:
               for_="15m"),
         # The window grows with uptime until the history is full, so "for" keeps a fresh engine quiet.
         alert("KvobsHistoryWindowTooShort",
-              f"min by ({engine}) (kvobs_history_window_seconds) < {HISTORY_WINDOW_ALERT_S}\n"
+              f"min by ({engine}) ({m('kvobs_history_window_seconds')}) < {HISTORY_WINDOW_ALERT_S}\n"
               f"and on ({engine})\n"
-              f"sum by ({engine}) (rate(kvobs_evicted_chunks_total[10m])) > 0\n",
+              f"sum by ({engine}) (rate({m('kvobs_evicted_chunks', 'total')}[10m])) > 0\n",
               "warning",
               f"kvobs's eviction history covers less than {HISTORY_WINDOW_ALERT_S // 60} minutes.",
               f"The eviction history of {at} reaches back only {{{{ printf \"%.0f\" $value }}}}s. A failed load "
@@ -168,13 +174,14 @@ def rules(config: Config) -> dict[str, Any]:
               f"Prometheus has had no successfully scraped target of job \"{config.job}\" for 10 minutes. Without "
               "one, none of the kvobs alerts can fire.",
               for_="10m"),
-        alert("KvobsSidecarIngestStalled", "time() - kvobs_sidecar_last_poll_timestamp_seconds > 120", "warning",
+        alert("KvobsSidecarIngestStalled", f"time() - {m('kvobs_sidecar_last_poll_timestamp_seconds')} > 120",
+              "warning",
               "The kvobs sidecar answers but has stopped reading the engines' journals.",
               "The sidecar at {{ $labels.instance }} last read KVOBS_DIR {{ printf \"%.0f\" $value }}s ago. Its "
               "metrics are frozen.",
               for_="5m"),
         alert("KvobsRecordsDropped",
-              f"sum by ({engine}, stage) (increase(kvobs_dropped_records_total[5m])) > 0", "warning",
+              f"sum by ({engine}, stage) (increase({m('kvobs_dropped_records', 'total')}[5m])) > 0", "warning",
               "kvobs keeps dropping records to stay bounded (stage {{ $labels.stage }}).",
               f"{at_cap} has dropped records at stage {{{{ $labels.stage }}}} in every 5 minutes of the last 15 "
               "({{ printf \"%.0f\" $value }} in the last 5). Counters stay exact; histograms and lookup verdicts "
@@ -182,14 +189,14 @@ def rules(config: Config) -> dict[str, Any]:
               "something else.",
               for_="15m"),
         alert("KvobsInternalErrors",
-              f"sum by ({engine}, stage) (increase(kvobs_internal_errors_total[5m])) > 0", "warning",
+              f"sum by ({engine}, stage) (increase({errors}[5m])) > 0", "warning",
               "kvobs keeps catching faults of its own (stage {{ $labels.stage }}).",
               f"kvobs has caught faults of its own at stage {{{{ $labels.stage }}}} on {at} in every 5 minutes of "
               "the last 15 ({{ printf \"%.0f\" $value }} in the last 5). vLLM's behaviour is unchanged (kvobs "
               "never raises into vLLM), but its evidence may be incomplete.",
               for_="15m"),
         # The plugin stepped aside (a vLLM it does not know, or an error at start-up): vLLM runs unobserved.
-        alert("KvobsNotObserving", f"max by ({engine}, reason) (kvobs_observing) == 0", "warning",
+        alert("KvobsNotObserving", f"max by ({engine}, reason) ({m('kvobs_observing')}) == 0", "warning",
               "kvobs stepped aside on an engine (reason {{ $labels.reason }}); its failures are not explained.",
               f"The kvobs plugin on {at} does not observe the offload manager (reason {{{{ $labels.reason }}}}): "
               "vLLM runs exactly as without kvobs, and no kvobs alert can fire for this engine. Usually a vLLM "
@@ -198,7 +205,7 @@ def rules(config: Config) -> dict[str, Any]:
         # A part of kvobs its options ask for does not work (an unusable directory: no journal, reports or
         # bundles; a flight recorder that cannot run). Only vLLM's own /metrics can say so (the vllm_metrics
         # option): the sidecar learns of an engine from the directory that is the problem.
-        alert("KvobsUnavailable", f"max by ({engine}, part) (vllm:kv_offload_kvobs_unavailable) == 1", "warning",
+        alert("KvobsUnavailable", f"max by ({engine}, part) ({on_vllm('kvobs_unavailable')}) == 1", "warning",
               "kvobs's {{ $labels.part }} does not work on engine {{ $labels.engine }} of {{ $labels.model_name }}.",
               f"On {at}, the kvobs part {{{{ $labels.part }}}} that its options ask for does not work. dir: the "
               "directory (option dir or KVOBS_DIR) is unusable, so kvobs writes no journal, no failure reports "
@@ -208,13 +215,13 @@ def rules(config: Config) -> dict[str, Any]:
               for_="5m"),
         # Every vLLM with the plugin journals at start (its build info): a sidecar up for 15 minutes with
         # no engine reads the wrong directory, or files of another uid (KvobsSidecarCannotRead).
-        alert("KvobsSidecarReadsNoEngine", "kvobs_sidecar_engines == 0", "warning",
+        alert("KvobsSidecarReadsNoEngine", f"{m('kvobs_sidecar_engines')} == 0", "warning",
               "The kvobs sidecar reads no engine.",
               "The sidecar at {{ $labels.instance }} has read no engine's journal for 15 minutes. If vLLM runs "
               "next to it, kvobs sees none of its evictions or failures: check the uid (both containers must run "
               "as one uid), the shared directory (KVOBS_DIR on both sides) and the plugin in --kv-transfer-config.",
               for_="15m"),
-        alert("KvobsSidecarCannotRead", "kvobs_sidecar_unreadable_files > 0", "warning",
+        alert("KvobsSidecarCannotRead", f"{m('kvobs_sidecar_unreadable_files')} > 0", "warning",
               "The kvobs sidecar cannot read {{ $value }} of the engines' files or directories.",
               "The sidecar at {{ $labels.instance }} cannot read (or write its checkpoint in) {{ $value }} paths "
               "of the kvobs directory, nearly always files of another uid (kvobs writes 0600 files in 0700 "
@@ -223,12 +230,14 @@ def rules(config: Config) -> dict[str, Any]:
         # A corrupt journal line, an unreadable journal file or report, a damaged checkpoint: what it held
         # is not counted, and nothing else says so. One is worth a warning at once, for an hour.
         alert("KvobsSidecarSkipping",
-              f"sum by ({sidecar}, source, reason) (increase(kvobs_sidecar_skipped_total[1h])) > 0", "warning",
+              f"sum by ({sidecar}, source, reason) (increase({m('kvobs_sidecar_skipped', 'total')}[1h])) > 0",
+              "warning",
               "The kvobs sidecar skipped {{ $labels.source }} input ({{ $labels.reason }}): kvobs is partly blind.",
               "The sidecar at {{ $labels.instance }} skipped {{ printf \"%.0f\" $value }} {{ $labels.source }} "
               "lines or files in the last hour ({{ $labels.reason }}). Their evictions, failures or counts are "
               "not in kvobs's metrics, and a failure among them raises no alert. Its log names each file."),
-        alert("KvobsSidecarInternalErrors", "increase(kvobs_sidecar_internal_errors_total[5m]) > 0", "warning",
+        alert("KvobsSidecarInternalErrors", f"increase({m('kvobs_sidecar_internal_errors', 'total')}[5m]) > 0",
+              "warning",
               "The kvobs sidecar's ingest rounds keep failing.",
               "Ingest rounds of the sidecar at {{ $labels.instance }} failed in every 5 minutes of the last 15 "
               "({{ printf \"%.0f\" $value }} in the last 5). Its metrics may be incomplete; its log has the "
@@ -236,12 +245,12 @@ def rules(config: Config) -> dict[str, Any]:
               for_="15m"),
         # Both series come from the same sidecar: the engine's kvobs (its journal) and the sidecar's own.
         alert("KvobsVersionSkew",
-              f"count by ({engine}, version) (kvobs_build_info)\n"
-              f"unless on ({sidecar}, version) kvobs_sidecar_build_info\n",
+              f"count by ({engine}, version) ({build})\n"
+              f"unless on ({sidecar}, version) {sidecar_build}\n",
               "warning",
               "The kvobs sidecar and the plugin of an engine run different kvobs versions.",
               f"{at_cap} writes with kvobs {{{{ $labels.version }}}}, and its sidecar reads with another version "
-              "(kvobs_sidecar_build_info). Every count the older side knows is read; one under a label value it "
+              f"({sidecar_build}). Every count the older side knows is read; one under a label value it "
               "does not know is exported only by a newer sidecar. Finish the rolling upgrade: one kvobs version "
               "in both images.",
               for_="15m"),
@@ -252,5 +261,5 @@ def rules(config: Config) -> dict[str, Any]:
               "Survive mode keeps turning failed loads into recomputes on an engine.",
               f"{at_cap} recomputed more loads within an hour than its survive_alarm_per_hour option allows. The "
               "engine serves on, but every recompute is a lost cache hit: the offload tier keeps losing chunks "
-              "requests were promised (see the causes in kvobs_load_failures_total and the failure reports)."),
+              f"requests were promised (see the causes in {failures} and the failure reports)."),
     ]}]}

@@ -16,6 +16,7 @@ from grafana_foundation_sdk.models import dashboard as model
 
 from dashboards import promql
 from dashboards.config import Config
+from dashboards.names import family, m, matcher, on_vllm, since, vllm_own
 from dashboards.panels import (
     Query,
     Spec,
@@ -28,8 +29,8 @@ from dashboards.panels import (
     text_panel,
     timeseries_panel,
 )
-from dashboards.series import ENGINES, VARIABLES, Selectors, either_path, rate, vllm
-from kvobs.codes import read_back_share_promql
+from dashboards.series import ENGINE_SERIES, ENGINES, VARIABLES, Selectors, either_path, rate, vllm
+from kvobs.codes import CAPACITY, READ_BACK_SHARE, REASONS, TIERS, read_back_share_promql
 
 UID = "kvobs-offload"
 FILE = "kvobs-offload.json"
@@ -39,13 +40,20 @@ HISTORY_WINDOW_ALERT_S = 600
 
 SIDECAR_ONLY = "Needs the sidecar (kvobs serve): vLLM's /metrics does not carry {}."
 VLLM_OWN = "vLLM's own series: no sidecar needed."
+NOT_COUNTED = ("vLLM's own series (kvobs/metric_catalogue.py's VLLM_SERIES), shown beside kvobs's and not counted by "
+               "kvobs: no sidecar needed.")
 
 
 def either(counter: str) -> str:
-    """What a panel reading one of kvobs's counters on both paths says."""
-    return (f"Either metrics path: the sidecar's kvobs_{counter} or, with the kvobs option vllm_metrics, vLLM's "
-            f"vllm:kv_offload_kvobs_{counter} (per engine the sidecar's where both are scraped, never the sum "
+    """What a panel reading one of kvobs's counters (a catalogue name of ON_VLLM) on both paths says."""
+    return (f"Either metrics path: the sidecar's {m(counter, 'total')} or, with the kvobs option vllm_metrics, "
+            f"vLLM's {on_vllm(counter, 'total')} (per engine the sidecar's where both are scraped, never the sum "
             "of both).")
+
+
+def own(name: str, suffix: str = "") -> str:
+    """vLLM's own series ``name`` (kvobs/metric_catalogue.py's VLLM_SERIES) by either spelling, as a regex."""
+    return vllm(vllm_own(name, suffix))
 
 
 DESCRIPTION = (
@@ -82,47 +90,58 @@ def panels(config: Config) -> list[Spec]:
         return config.counts.count_per_step(metric, f"{e}, {extra}" if extra else e, by)
 
     def vllm_rate(name: str, by: str = "instance, engine") -> str:
-        return rate(vllm(name), v, by)
+        """A rate of vLLM's own counter ``name`` (kvobs/metric_catalogue.py's VLLM_SERIES)."""
+        return rate(own(name, "total"), v, by)
 
-    def quantile(q: float, metric: str, selector: str, by: str) -> str:
-        return f"histogram_quantile({q}, {rate(metric + '_bucket', selector, f'le, {by}' if by else 'le')})"
+    def quantile(q: float, buckets: str, selector: str, by: str) -> str:
+        return f"histogram_quantile({q}, {rate(buckets, selector, f'le, {by}' if by else 'le')})"
+
+    def kvobs_rate(name: str, selector: str, by: str) -> str:
+        """``sum by (by) (rate(<name>_total{selector}[$__rate_interval]))`` of kvobs's counter ``name``."""
+        return rate(m(name, "total"), selector, by)
 
     def stored_and_loaded(panel_id: int, title: str, description: str, what: str, unit: str) -> Spec:
         """The tier's stores and loads of ``kvobs_{stored,loaded}_<what>_total``, per second and tier."""
         sides = ("stored", "loaded")
-        counters = " or ".join(f"kvobs_{side}_{what}_total" for side in sides)
+        counters = " or ".join(m(f"kvobs_{side}_{what}", "total") for side in sides)
         return timeseries_panel(panel_id, title, description + SIDECAR_ONLY.format(counters),
-                                [Query(f"sum by (tier) (rate(kvobs_{side}_{what}_total{{{e}}}[$__rate_interval]))",
-                                       f"{side} {{{{tier}}}}") for side in sides],
+                                [Query(kvobs_rate(f"kvobs_{side}_{what}", e, "tier"), f"{side} {{{{tier}}}}")
+                                 for side in sides],
                                 ds, unit=unit, w=6)
 
-    near_misses = either_path(sel, rate, "hits_evicted_before_load_total", "reason")
-    failures_per_step = either_path(sel, config.counts.count_per_step, "load_failures_total", "cause")
-    residency = "kvobs_chunk_residency_seconds"
+    near_misses = either_path(sel, rate, "kvobs_hits_evicted_before_load", "reason")
+    failures_per_step = either_path(sel, config.counts.count_per_step, "kvobs_load_failures", "cause")
+    residency = m("kvobs_chunk_residency_seconds", "bucket")
+    capacity = matcher("kvobs_chunk_residency_seconds", "reason", REASONS[CAPACITY])
+    read_once = READ_BACK_SHARE[0]
+    age_buckets = m("kvobs_missing_chunk_eviction_age_seconds", "bucket")
+    near_rule = f"engine_reason:{family('kvobs_hits_evicted_before_load')}:rate5m"
+    last_record = m("kvobs_engine_last_record_timestamp_seconds")
+    build, sidecar_build = m("kvobs_build_info"), m("kvobs_sidecar_build_info")
     return [
         row(1, "Overview"),
         text_panel(34, "Metrics paths", PATHS_NOTE),
         stat_panel(2, "Load failures in range",
                    "Failed prepare_load calls (vLLM's assertion: a chunk \"not found in cache\" or \"not ready for "
                    "reading\") in the dashboard's time range, each counted once (raw series, no recording rule "
-                   "needed). Each one normally kills an EngineCore. " + either("load_failures_total"),
-                   Query(f"sum({either_path(sel, config.counts.count_in_range, 'load_failures_total', 'cause')})"),
+                   "needed). Each one normally kills an EngineCore. " + either("kvobs_load_failures"),
+                   Query(f"sum({either_path(sel, config.counts.count_in_range, 'kvobs_load_failures', 'cause')})"),
                    ds, unit="short", steps=(("green", None), ("red", 1))),
         stat_panel(3, "Near misses /s",
                    "Chunks a lookup reported that were removed before the request's load pinned them, per second "
-                   "(raw series). Each is a failed load waiting to happen. " + either("hits_evicted_before_load_total"),
-                   Query(f"sum({either_path(sel, rate, 'hits_evicted_before_load_total', 'reason')})"),
+                   "(raw series). Each is a failed load waiting to happen. " + either("kvobs_hits_evicted_before_load"),
+                   Query(f"sum({either_path(sel, rate, 'kvobs_hits_evicted_before_load', 'reason')})"),
                    ds, unit="ops", steps=(("green", None), ("orange", 0.01))),
         stat_panel(4, "Shortest history window",
                    "How far back the shortest eviction history reaches. A missing chunk removed earlier than this "
-                   "gets the cause unknown. " + SIDECAR_ONLY.format("kvobs_history_window_seconds"),
-                   Query(f"min(kvobs_history_window_seconds{{{e}}})"), ds, unit="s",
+                   "gets the cause unknown. " + SIDECAR_ONLY.format(m("kvobs_history_window_seconds")),
+                   Query(f"min({m('kvobs_history_window_seconds')}{{{e}}})"), ds, unit="s",
                    steps=(("orange", None), ("green", HISTORY_WINDOW_ALERT_S))),
         stat_panel(5, "Residency p99, capacity",
                    "99th percentile of how long a chunk stayed in the CPU tier before a capacity eviction (raw "
                    "series). Short: the tier is too small for the working set. No data while nothing was evicted. "
                    + SIDECAR_ONLY.format("the residency histogram"),
-                   Query(quantile(0.99, residency, f'{e}, reason="capacity"', "")), ds, unit="s",
+                   Query(quantile(0.99, residency, f"{e}, {capacity}", "")), ds, unit="s",
                    steps=(("text", None),)),
         stat_panel(6, "Sidecars up",
                    "Sidecars Prometheus scrapes successfully (the scrape job chosen in $job). "
@@ -130,8 +149,8 @@ def panels(config: Config) -> list[Spec]:
                    Query(f"sum(up{{{s}}})"), ds, unit="short", steps=(("red", None), ("green", 1))),
         stat_panel(7, "Engines seen",
                    "Engines (EngineCores) whose journals the sidecars read. "
-                   + SIDECAR_ONLY.format("kvobs_sidecar_engines"),
-                   Query(f"sum(kvobs_sidecar_engines{{{s}}})"), ds, unit="short", steps=(("text", None),)),
+                   + SIDECAR_ONLY.format(m("kvobs_sidecar_engines")),
+                   Query(f"sum({m('kvobs_sidecar_engines')}{{{s}}})"), ds, unit="short", steps=(("text", None),)),
 
         row(8, "Load failures"),
         timeseries_panel(9, "Load failures by cause",
@@ -139,13 +158,13 @@ def panels(config: Config) -> list[Spec]:
                          "Details: the sidecar's /api/v1/failures and the exception message in the engine's log. "
                          "Exemplars (where Prometheus stores them, --enable-feature=exemplar-storage) mark each "
                          "cause's newest failure with its trace_id, linked to its trace by the data source. "
-                         + either("load_failures_total") + " Exemplars come from the sidecar only.",
+                         + either("kvobs_load_failures") + " Exemplars come from the sidecar only.",
                          [Query(f"sum by (cause) ({failures_per_step})", "{{cause}}", exemplar=True)],
                          ds, unit="short", bars=True, stack=True),
         timeseries_panel(10, "Missing chunks by group",
                          "Chunks missing at failed loads, per step, KV-cache group and cause. "
-                         + SIDECAR_ONLY.format("kvobs_missing_chunks_total"),
-                         [Query(count_step("kvobs_missing_chunks_total", "group, cause"),
+                         + SIDECAR_ONLY.format(m("kvobs_missing_chunks", "total")),
+                         [Query(count_step(m("kvobs_missing_chunks", "total"), "group, cause"),
                                 "group {{group}} · {{cause}}")],
                          ds, unit="short", bars=True, stack=True),
         bargauge_panel(11, "Eviction age at failure (in range)",
@@ -155,25 +174,26 @@ def panels(config: Config) -> list[Spec]:
                        "and load (evicted_after_lookup). Ages near the history window: raise history_size. "
                        + SIDECAR_ONLY.format("the eviction-age histogram")
                        + " Each bar is one bucket, named by its upper bound in seconds (le).",
-                       Query(config.counts.count_in_range("kvobs_missing_chunk_eviction_age_seconds_bucket", e, "le"),
+                       Query(config.counts.count_in_range(age_buckets, e, "le"),
                              "{{le}}"), ds),
         timeseries_panel(12, "Near misses by reason",
                          "Hits evicted before load: chunks a lookup reported (HIT / HIT_PENDING) that were removed "
                          "before the request's load pinned them, whether or not the load then failed. "
-                         + either("hits_evicted_before_load_total"),
+                         + either("kvobs_hits_evicted_before_load"),
                          [Query(f"sum by (reason) ({near_misses})", "{{reason}}")],
                          ds, unit="ops"),
         timeseries_panel(13, "Near misses and failures per engine",
                          "Near misses next to the failures they precede, per engine. The near misses come from the "
-                         "recording rule engine_reason:kvobs_hits_evicted_before_load:rate5m: this panel needs "
+                         f"recording rule {near_rule}: this panel needs "
                          "dashboards/rules/kvobs-recording.yaml loaded (docker/k8s/base/prometheusrule.yaml in "
                          "Kubernetes). The load-failure lines come from either metrics path (the sidecar's "
-                         "kvobs_load_failures_total, or vLLM's vllm:kv_offload_kvobs_load_failures_total with the "
+                         f"{m('kvobs_load_failures', 'total')}, or vLLM's {on_vllm('kvobs_load_failures', 'total')} "
+                         "with the "
                          "kvobs option vllm_metrics; the sidecar's where both are scraped); the near-miss lines "
                          "need the sidecar (kvobs serve) and the recording rule.",
-                         [Query(f"sum by ({per_engine}) (engine_reason:kvobs_hits_evicted_before_load:rate5m{{{e}}})",
+                         [Query(f"sum by ({per_engine}) ({near_rule}{{{e}}})",
                                 "near misses {{instance}} {{model_name}} engine {{engine}}"),
-                          Query(f"sum by ({per_engine}) ({either_path(sel, rate, 'load_failures_total', 'cause')})",
+                          Query(f"sum by ({per_engine}) ({either_path(sel, rate, 'kvobs_load_failures', 'cause')})",
                                 "load failures {{instance}} {{model_name}} engine {{engine}}")],
                          ds, unit="ops"),
         timeseries_panel(38, "Recomputed loads (survive mode)",
@@ -183,21 +203,20 @@ def panels(config: Config) -> list[Spec]:
                          "option; alert KvobsRecomputesKeepHappening). Hidden unless survive is on and used. Each is "
                          "also a load failure, by cause, in the panels beside. Needs the sidecar (these counters "
                          "are not on vLLM's /metrics).",
-                         [Query(count_step("kvobs_recomputed_loads_total", per_engine),
+                         [Query(count_step(m("kvobs_recomputed_loads", "total"), per_engine),
                                 "recomputed: {{model_name}} engine {{engine}}"),
-                          Query(count_step("kvobs_recompute_alarms_total", per_engine),
+                          Query(count_step(m("kvobs_recompute_alarms", "total"), per_engine),
                                 "alarm: {{model_name}} engine {{engine}}")],
                          ds, unit="short", bars=True),
 
         row(14, "Evictions"),
         timeseries_panel(15, "Eviction rate by reason",
                          "Chunks (and removal batches) leaving the CPU tier per second: capacity evictions, failed "
-                         "stores, cache resets, deferred releases. Chunks: " + either("evicted_chunks_total")
-                         + " Batches: " + SIDECAR_ONLY.format("kvobs_eviction_batches_total"),
-                         [Query(f"sum by (reason) ({either_path(sel, rate, 'evicted_chunks_total', 'reason')})",
+                         "stores, cache resets, deferred releases. Chunks: " + either("kvobs_evicted_chunks")
+                         + " Batches: " + SIDECAR_ONLY.format(m("kvobs_eviction_batches", "total")),
+                         [Query(f"sum by (reason) ({either_path(sel, rate, 'kvobs_evicted_chunks', 'reason')})",
                                 "{{reason}} chunks"),
-                          Query(f"sum by (reason) (rate(kvobs_eviction_batches_total{{{e}}}[$__rate_interval]))",
-                                "{{reason}} batches")],
+                          Query(kvobs_rate("kvobs_eviction_batches", e, "reason"), "{{reason}} batches")],
                          ds, unit="ops"),
         timeseries_panel(16, "Chunk residency quantiles",
                          "How long a chunk stayed in the CPU tier, from its store to its removal. "
@@ -208,7 +227,7 @@ def panels(config: Config) -> list[Spec]:
         heatmap_panel(17, "Chunk residency (capacity evictions)",
                       "Distribution of residency (store to capacity eviction) per step, each removal in one step. "
                       + SIDECAR_ONLY.format("the residency histogram"),
-                      Query(count_step(f"{residency}_bucket", "le", 'reason="capacity"'), "{{le}}"), ds),
+                      Query(count_step(residency, "le", capacity), "{{le}}"), ds),
 
         row(40, "Is the tier doing anything"),
         stored_and_loaded(41, "Chunks stored and loaded",
@@ -220,15 +239,16 @@ def panels(config: Config) -> list[Spec]:
                           "loaded per second and tier. ", "bytes", "Bps"),
         timeseries_panel(45, "Write waste",
                          "Share of the chunks removed from the CPU tier that were never loaded since their store, "
-                         "by removal reason (kvobs_evicted_unread_chunks_total over kvobs_evicted_chunks_total), "
+                         f"by removal reason ({m('kvobs_evicted_unread_chunks', 'total')} over "
+                         f"{m('kvobs_evicted_chunks', 'total')}), "
                          "and the read-back share by tier: chunks read at least once since written over chunks "
                          "written by any path, GPU stores and promotions (kvobs.codes.READ_BACK_SHARE; at most 1, "
                          "unlike loads over stores). Near 1 unread, near 0 read back: the tier is written and not "
                          "read back. No data where nothing was removed or written. "
-                         + SIDECAR_ONLY.format("kvobs_evicted_unread_chunks_total"),
-                         [Query(f"sum by (reason) (rate(kvobs_evicted_unread_chunks_total{{{e}}}[$__rate_interval]))"
-                                f" / (sum by (reason) (rate(kvobs_evicted_chunks_total{{{e}}}[$__rate_interval]))"
-                                " > 0)", "removed unread: {{reason}}"),
+                         + SIDECAR_ONLY.format(m("kvobs_evicted_unread_chunks", "total")),
+                         [Query(f"{kvobs_rate('kvobs_evicted_unread_chunks', e, 'reason')}"
+                                f" / ({kvobs_rate('kvobs_evicted_chunks', e, 'reason')} > 0)",
+                                "removed unread: {{reason}}"),
                           Query(read_back_share_promql(lambda name: f"rate({name}{{{e}}}[$__rate_interval])", "tier"),
                                 "read back: {{tier}}")],
                          ds, unit="percentunit", w=6, hide_zero=False),
@@ -236,30 +256,70 @@ def panels(config: Config) -> list[Spec]:
                    "The read-back share in the dashboard's time range: chunks read at least once since written "
                    "over chunks written into the tier by any path (kvobs.codes.READ_BACK_SHARE). No data where "
                    "nothing was written. "
-                   + SIDECAR_ONLY.format("kvobs_read_once_chunks_total"),
+                   + SIDECAR_ONLY.format(read_once),
                    Query(read_back_share_promql(lambda name: config.counts.count_in_range(name, e, ''), "")),
                    ds, unit="percentunit", steps=(("text", None),), w=3, h=8),
         stat_panel(44, "Removed unread (in range)",
                    "Share of the chunks removed from the CPU tier in the dashboard's time range that were never "
                    "loaded since their store: written for nothing. No data where nothing was removed. "
-                   + SIDECAR_ONLY.format("kvobs_evicted_unread_chunks_total"),
-                   Query(f"sum({config.counts.count_in_range('kvobs_evicted_unread_chunks_total', e, '')})"
-                         f" / (sum({config.counts.count_in_range('kvobs_evicted_chunks_total', e, '')}) > 0)"),
+                   + SIDECAR_ONLY.format(m("kvobs_evicted_unread_chunks", "total")),
+                   Query(f"sum({config.counts.count_in_range(m('kvobs_evicted_unread_chunks', 'total'), e, '')})"
+                         f" / (sum({config.counts.count_in_range(m('kvobs_evicted_chunks', 'total'), e, '')}) > 0)"),
                    ds, unit="percentunit", steps=(("text", None),), w=3, h=8),
+        timeseries_panel(47, "Secondary tiers read and written (vLLM, tiering)",
+                         f"vLLM's own bytes per second written from the CPU tier into each secondary tier (cascades, "
+                         f"{vllm_own('vllm:kv_offload_tiering_write_bytes', 'total')}) and read from it back into "
+                         f"the CPU tier (promotions, {vllm_own('vllm:kv_offload_tiering_read_bytes', 'total')}), by "
+                         "vLLM's tier label (\"1:fs\" the first secondary tier); TieringOffloadingSpec only, vLLM "
+                         f"{since('vllm:kv_offload_tiering_read_bytes')} and later (every supported release). kvobs "
+                         "does "
+                         f"not count these a second time: its tier label is {', '.join(TIERS)} only, and a promotion "
+                         "read here is a write into the CPU tier in the panels beside. " + NOT_COUNTED,
+                         [Query(vllm_rate(f"vllm:kv_offload_tiering_{side}_bytes", "instance, engine, tier"),
+                                f"{verb} {{{{tier}}}} {{{{instance}}}} engine {{{{engine}}}}")
+                          for side, verb in (("write", "written"), ("read", "read"))],
+                         ds, unit="Bps"),
+        timeseries_panel(48, "CPU tier stores asked for (vLLM)",
+                         "vLLM's own CPUOffloadingMetrics: CPU chunks asked for by prepare_store calls, per second "
+                         f"({vllm_own('vllm:kv_offload_cpu_allocation_size', 'sum')}), the calls "
+                         f"({vllm_own('vllm:kv_offload_cpu_allocation_size', 'count')}), and stores skipped under "
+                         f"the reuse threshold ({vllm_own('vllm:kv_offload_stores_skipped', 'total')}, only with the "
+                         "CPU spec's store_threshold of 2 or more); CPU and tiering specs, vLLM "
+                         f"{since('vllm:kv_offload_cpu_allocation_size')} and later (every supported release). Its "
+                         "gauges are in \"CPU tier usage (vLLM)\". Chunks asked for include stores the tier then "
+                         "could not take; kvobs's stored chunks are the stores it took. " + NOT_COUNTED,
+                         [Query(rate(own("vllm:kv_offload_cpu_allocation_size", "sum"), v, "instance, engine"),
+                                "chunks asked for {{instance}} engine {{engine}}"),
+                          Query(rate(own("vllm:kv_offload_cpu_allocation_size", "count"), v, "instance, engine"),
+                                "prepare_store calls {{instance}} engine {{engine}}"),
+                          Query(vllm_rate("vllm:kv_offload_stores_skipped"),
+                                "stores skipped {{instance}} engine {{engine}}")],
+                         ds, unit="ops"),
+        timeseries_panel(49, "Prompt tokens cached, by source (vLLM 0.32+)",
+                         "vLLM's own prefix-cache hit tokens per second by the tier that supplied them "
+                         f"({vllm_own('vllm:prompt_tokens_cached_by_source', 'total')}, by source: device the GPU, "
+                         "host the CPU tier, disk, p2p, external_unspecified): what the offload tiers save in "
+                         f"prefill. vLLM {since('vllm:prompt_tokens_cached_by_source')} and later, from its API "
+                         "server's stat logger: empty on 0.30 and 0.31. " + NOT_COUNTED,
+                         [Query(vllm_rate("vllm:prompt_tokens_cached_by_source", "instance, engine, source"),
+                                "{{source}} {{instance}} engine {{engine}}")],
+                         ds, unit="short"),
 
         row(18, "Eviction history"),
         timeseries_panel(19, "History covered window",
-                         "How far back each engine's eviction history reaches (kvobs_history_window_seconds). The "
+                         "How far back each engine's eviction history reaches "
+                         f"({m('kvobs_history_window_seconds')}). The "
                          f"line marks {HISTORY_WINDOW_ALERT_S} s, the KvobsHistoryWindowTooShort threshold. A failure "
                          "whose chunk was removed before the window reads cause unknown. "
-                         + SIDECAR_ONLY.format("kvobs_history_window_seconds"),
-                         [Query(f"kvobs_history_window_seconds{{{e}}}",
+                         + SIDECAR_ONLY.format(m("kvobs_history_window_seconds")),
+                         [Query(f"{m('kvobs_history_window_seconds')}{{{e}}}",
                                 "{{instance}} {{model_name}} engine {{engine}}")],
                          ds, unit="s", w=12, hide_zero=False, threshold_line=HISTORY_WINDOW_ALERT_S),
         timeseries_panel(20, "History chunks",
                          "Keys held in each engine's eviction history (bounded by the kvobs option history_size). "
-                         + SIDECAR_ONLY.format("kvobs_history_chunks"),
-                         [Query(f"kvobs_history_chunks{{{e}}}", "{{instance}} {{model_name}} engine {{engine}}")],
+                         + SIDECAR_ONLY.format(m("kvobs_history_chunks")),
+                         [Query(f"{m('kvobs_history_chunks')}{{{e}}}",
+                                "{{instance}} {{model_name}} engine {{engine}}")],
                          ds, unit="short", w=12, hide_zero=False),
 
         row(21, "vLLM offload (vLLM's own metrics, scraped from the vLLM server)"),
@@ -268,38 +328,39 @@ def panels(config: Config) -> list[Spec]:
                          "compete for slots, evictions and near misses follow. vLLM's series carry the same "
                          "model_name and engine as kvobs's, so these panels follow $model_name and $engine too "
                          "(not $job: vLLM has its own scrape job). " + VLLM_OWN,
-                         [Query(f"max by (instance, engine) ({promql.series(vllm(name), v)})", f"{what} "
+                         [Query(f"max by (instance, engine) ({promql.series(own(name), v)})", f"{what} "
                                 "{{instance}} engine {{engine}}")
-                          for name, what in (("kv_offload_cpu_cache_usage_perc", "pinned"),
-                                             ("kv_offload_cpu_cache_write_usage_perc", "stores"),
-                                             ("kv_offload_cpu_cache_read_usage_perc", "loads"))],
+                          for name, what in (("vllm:kv_offload_cpu_cache_usage_perc", "pinned"),
+                                             ("vllm:kv_offload_cpu_cache_write_usage_perc", "stores"),
+                                             ("vllm:kv_offload_cpu_cache_read_usage_perc", "loads"))],
                          ds, unit="percentunit", hide_zero=False),
         timeseries_panel(23, "Offload transfers (vLLM)",
                          "Bytes per second moved GPU→offload (store) and offload→GPU (load). " + VLLM_OWN,
-                         [Query(vllm_rate("kv_offload_store_bytes_total"), "store {{instance}} engine {{engine}}"),
-                          Query(vllm_rate("kv_offload_load_bytes_total"), "load {{instance}} engine {{engine}}")],
+                         [Query(vllm_rate("vllm:kv_offload_store_bytes"), "store {{instance}} engine {{engine}}"),
+                          Query(vllm_rate("vllm:kv_offload_load_bytes"), "load {{instance}} engine {{engine}}")],
                          ds, unit="Bps"),
         timeseries_panel(24, "Allocation and tiering failures (vLLM)",
                          "vLLM's failed store allocations and failed tiering jobs. Failed promotions are what kvobs "
                          "sees as store_failed removals. " + VLLM_OWN,
-                         [Query(vllm_rate("kv_offload_allocation_failure_total"),
+                         [Query(vllm_rate("vllm:kv_offload_allocation_failure"),
                                 "store allocation failures {{instance}} engine {{engine}}"),
-                          Query(vllm_rate("kv_offload_tiering_promotion_job_failures_total"),
+                          Query(vllm_rate("vllm:kv_offload_tiering_promotion_job_failures"),
                                 "promotion job failures {{instance}} engine {{engine}}"),
-                          Query(vllm_rate("kv_offload_tiering_cascade_job_failures_total"),
+                          Query(vllm_rate("vllm:kv_offload_tiering_cascade_job_failures"),
                                 "cascade job failures {{instance}} engine {{engine}}")],
                          ds, unit="ops"),
         timeseries_panel(25, "Offload lookup time p99 (vLLM)",
                          "vLLM's time in one offload lookup call. Tiering promotions run inside lookup and can evict "
                          "chunks another request's lookup just reported (vLLM #50014). " + VLLM_OWN,
-                         [Query(quantile(0.99, vllm("kv_offload_lookup_sync_delay_seconds"), v, "instance, engine"),
+                         [Query(quantile(0.99, own("vllm:kv_offload_lookup_sync_delay_seconds", "bucket"), v,
+                                         "instance, engine"),
                                 "p99 {{instance}} engine {{engine}}")],
                          ds, unit="s", w=12, hide_zero=False),
         timeseries_panel(26, "Tier hit ratio (vLLM, tiering)",
                          "Chunk hits over chunk queries per tier (TieringOffloadingSpec only); no data where a tier "
                          "was not queried. " + VLLM_OWN,
-                         [Query(f"{vllm_rate('kv_offload_tiering_chunk_hits_total', 'instance, engine, tier')} / "
-                                f"({vllm_rate('kv_offload_tiering_chunk_queries_total', 'instance, engine, tier')}"
+                         [Query(f"{vllm_rate('vllm:kv_offload_tiering_chunk_hits', 'instance, engine, tier')} / "
+                                f"({vllm_rate('vllm:kv_offload_tiering_chunk_queries', 'instance, engine, tier')}"
                                 " > 0)", "{{instance}} engine {{engine}} {{tier}}")],
                          ds, unit="percentunit", w=12, hide_zero=False),
         timeseries_panel(35, "Tiering pressure (vLLM)",
@@ -311,23 +372,23 @@ def panels(config: Config) -> list[Spec]:
                          "stores skipped under the reuse threshold (kv_offload_stores_skipped_total, only with the "
                          "CPU spec's store_threshold of 2 or more). A series a release or configuration lacks stays "
                          "empty. " + VLLM_OWN,
-                         [Query(vllm_rate("kv_offload_tiering_promotion_allocation_failures_total"),
+                         [Query(vllm_rate("vllm:kv_offload_tiering_promotion_allocation_failures"),
                                 "promotion allocation failures {{instance}} {{engine}}"),
-                          Query(vllm_rate("kv_offload_tiering_backpressure_stores_dropped_total",
+                          Query(vllm_rate("vllm:kv_offload_tiering_backpressure_stores_dropped",
                                           "instance, engine, tier"),
                                 "back-pressure stores dropped {{instance}} {{engine}} {{tier}}"),
-                          Query(vllm_rate("kv_offload_tiering_backpressure_blocks_dropped_total",
+                          Query(vllm_rate("vllm:kv_offload_tiering_backpressure_blocks_dropped",
                                           "instance, engine, tier"),
                                 "back-pressure blocks dropped {{instance}} {{engine}} {{tier}}"),
-                          Query(vllm_rate("kv_offload_stores_skipped_total"),
+                          Query(vllm_rate("vllm:kv_offload_stores_skipped"),
                                 "stores skipped {{instance}} {{engine}}")],
                          ds, unit="ops"),
-        timeseries_panel(36, "Promotion latency p99 (vLLM 0.33, tiering)",
+        timeseries_panel(36, "Promotion latency p99 (vLLM 0.33+, tiering)",
                          "vLLM's own histogram of a secondary-tier promotion job, from its creation to its "
                          "completion seen by the tiering manager, queueing included (kv_offload_tiering_promotion_"
-                         "latency_seconds, by tier and result; vLLM 0.33.0 only: empty on 0.30-0.32). Slow "
+                         "latency_seconds, by tier and result; vLLM 0.33.0 and later: empty on 0.30-0.32). Slow "
                          "promotions hold CPU-tier room longer. " + VLLM_OWN,
-                         [Query(quantile(0.99, vllm("kv_offload_tiering_promotion_latency_seconds"), v,
+                         [Query(quantile(0.99, own("vllm:kv_offload_tiering_promotion_latency_seconds", "bucket"), v,
                                          "instance, engine, tier, result"),
                                 "{{instance}} {{engine}} {{tier}} {{result}}")],
                          ds, unit="s", hide_zero=False),
@@ -336,7 +397,7 @@ def panels(config: Config) -> list[Spec]:
                          "its back-pressure policy drops stores on (kv_offload_tiering_backpressure_store_latency_ema;"
                          " vLLM 0.31.0 and later, with a back-pressure policy configured). " + VLLM_OWN,
                          [Query(f"max by (instance, engine, tier) "
-                                f"({promql.series(vllm('kv_offload_tiering_backpressure_store_latency_ema'), v)})",
+                                f"({promql.series(own('vllm:kv_offload_tiering_backpressure_store_latency_ema'), v)})",
                                 "{{instance}} {{engine}} {{tier}}")],
                          ds, unit="suffix: s/MiB", hide_zero=False),
 
@@ -349,7 +410,7 @@ def panels(config: Config) -> list[Spec]:
         timeseries_panel(29, "Records ingested",
                          "Journal records the sidecar reads per second. "
                          + SIDECAR_ONLY.format("the sidecar's own series"),
-                         [Query(f"sum by (instance) (rate(kvobs_sidecar_records_total{{{s}}}[$__rate_interval]))",
+                         [Query(kvobs_rate("kvobs_sidecar_records", s, "instance"),
                                 "{{instance}}")],
                          ds, unit="ops", w=6, hide_zero=False),
         timeseries_panel(30, "Ingest and journal lag",
@@ -358,42 +419,42 @@ def panels(config: Config) -> list[Spec]:
                          "engine whose record time stopped moving over $__rate_interval is stopped, and its line "
                          "ends rather than climbing: see Engines seen and the alerts). Both stay under a few scrape "
                          "intervals when all is well. " + SIDECAR_ONLY.format("the sidecar's own series"),
-                         [Query(f"time() - max by (instance) (kvobs_sidecar_last_poll_timestamp_seconds{{{s}}})",
+                         [Query(f"time() - max by (instance) ({m('kvobs_sidecar_last_poll_timestamp_seconds')}{{{s}}})",
                                 "last poll {{instance}}"),
-                          Query(f"(time() - max by ({per_engine}) (kvobs_engine_last_record_timestamp_seconds{{{e}}}))"
+                          Query(f"(time() - max by ({per_engine}) ({last_record}{{{e}}}))"
                                 f" and on ({per_engine}) (max by ({per_engine}) "
-                                f"(changes(kvobs_engine_last_record_timestamp_seconds{{{e}}}[$__rate_interval])) > 0)",
+                                f"(changes({last_record}{{{e}}}[$__rate_interval])) > 0)",
                                 "last record {{instance}} engine {{engine}}")],
                          ds, unit="s", w=12, hide_zero=False),
         timeseries_panel(31, "Dropped records by stage",
                          "Records kvobs dropped to stay bounded: journal (queue full), verdicts (max_verdicts), "
                          "ingest (lines the sidecar could not read). Counters stay exact; histograms and verdicts "
-                         "may not. " + SIDECAR_ONLY.format("kvobs_dropped_records_total"),
-                         [Query(f"sum by (engine, stage) (rate(kvobs_dropped_records_total{{{e}}}[$__rate_interval]))",
+                         "may not. " + SIDECAR_ONLY.format(m("kvobs_dropped_records", "total")),
+                         [Query(kvobs_rate("kvobs_dropped_records", e, "engine, stage"),
                                 "{{engine}} {{stage}}")],
                          ds, unit="ops"),
         timeseries_panel(32, "Internal errors by stage",
                          "Faults of kvobs's own, caught and counted, never raised into vLLM. "
-                         + SIDECAR_ONLY.format("kvobs_internal_errors_total"),
-                         [Query(f"sum by (engine, stage) (rate(kvobs_internal_errors_total{{{e}}}[$__rate_interval]))",
+                         + SIDECAR_ONLY.format(m("kvobs_internal_errors", "total")),
+                         [Query(kvobs_rate("kvobs_internal_errors", e, "engine, stage"),
                                 "{{engine}} {{stage}}")],
                          ds, unit="ops"),
         timeseries_panel(46, "Skipped journal lines and files",
                          "Journal lines and files the sidecar skipped, by source and reason: corrupt lines, files "
                          "it cannot read (another uid's, a symlink). What they held is not counted: kvobs is partly "
-                         "blind (alert KvobsSidecarSkipping). " + SIDECAR_ONLY.format("kvobs_sidecar_skipped_total"),
-                         [Query(f"sum by (instance, source, reason) "
-                                f"(rate(kvobs_sidecar_skipped_total{{{s}}}[$__rate_interval]))",
+                         "blind (alert KvobsSidecarSkipping). "
+                         + SIDECAR_ONLY.format(m("kvobs_sidecar_skipped", "total")),
+                         [Query(kvobs_rate("kvobs_sidecar_skipped", s, "instance, source, reason"),
                                 "{{instance}} {{source}} {{reason}}")],
                          ds, unit="ops"),
         table_panel(33, "Versions",
-                    "One row per engine (kvobs_build_info: the engine's kvobs and vLLM versions, and its hot path, "
-                    "compiled or python) and one per sidecar (kvobs_sidecar_build_info: the version the sidecar "
+                    f"One row per engine ({build}: the engine's kvobs and vLLM versions, and its hot path, "
+                    f"compiled or python) and one per sidecar ({sidecar_build}: the version the sidecar "
                     "reads with; KvobsVersionSkew fires while they differ). "
-                    + SIDECAR_ONLY.format("kvobs_build_info or kvobs_sidecar_build_info"),
+                    + SIDECAR_ONLY.format(f"{build} or {sidecar_build}"),
                     [Query(f'label_replace(max by (instance, model_name, engine, version, vllm_version, hot_path) '
-                           f'(kvobs_build_info{{{e}}}), "component", "engine", "", "") or label_replace(max by '
-                           f'(instance, version) (kvobs_sidecar_build_info{{{s}}}), "component", "sidecar", "", "")')],
+                           f'({build}{{{e}}}), "component", "engine", "", "") or label_replace(max by '
+                           f'(instance, version) ({sidecar_build}{{{s}}}), "component", "sidecar", "", "")')],
                     ds, w=24, h=7),
     ]
 
@@ -421,14 +482,14 @@ def variables(config: Config) -> list[dashboard_builders.QueryVariable | dashboa
         label = labels.get(name, name)
         follows = ", ".join(f'{labels.get(b, b)}=~"${b}"' for b in before if b != "job")
         if name == "job":
-            query = f"label_values(kvobs_build_info{{{follows}}}, {label})"
+            query = f"label_values({m('kvobs_build_info')}{{{follows}}}, {label})"
         else:
             query = f'label_values({{__name__=~"{ENGINES}"{", " + follows if follows else ""}}}, {label})'
         var = (dashboard_builders.QueryVariable(name).label(name.replace("_", " ").capitalize()).query(query)
                .datasource(ds).refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(model.VariableSort.ALPHABETICAL_ASC)
                .description(descriptions[name]
                             + ("" if name in ("cluster", "namespace", "job") else
-                               " From kvobs_build_info (the sidecar) and vllm:kv_offload_kvobs_evicted_chunks_total "
+                               f" From {ENGINE_SERIES[0]} (the sidecar) and {ENGINE_SERIES[1]} "
                                "(the kvobs option vllm_metrics), so either metrics path fills it; it does not "
                                "follow $job (vLLM has its own job).")))
         if name == "job":
@@ -445,7 +506,7 @@ def build(config: Config) -> dict[str, Any]:
     """The dashboard as Grafana's JSON model (a dict)."""
     sel = Selectors(config)
     ds = model.DataSourceRef(type_val=config.datasource_type, uid=config.datasource["uid"])
-    failures = either_path(sel, config.counts.count_per_step, "load_failures_total", "cause")
+    failures = either_path(sel, config.counts.count_per_step, "kvobs_load_failures", "cause")
     board = (
         dashboard_builders.Dashboard(TITLE).uid(UID).description(DESCRIPTION)
         .tags(["kvobs", "vllm", "kv-offload"]).editable().tooltip(model.DashboardCursorSync.CROSSHAIR)

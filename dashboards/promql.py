@@ -40,9 +40,11 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-ENGINE_START = "kvobs_engine_start_timestamp_seconds"
+from dashboards.names import m
+
+ENGINE_START = m("kvobs_engine_start_timestamp_seconds")
 """The sidecar's per-engine gauge of when the engine's counters began (kvobs/metric_catalogue.py)."""
-SIDECAR_POLL = "kvobs_sidecar_last_poll_timestamp_seconds"
+SIDECAR_POLL = m("kvobs_sidecar_last_poll_timestamp_seconds")
 """When the sidecar's last ingest round ended: what a scrape of it had read (0 before its first round)."""
 LOOKBACK = "1h"
 """How far before a window's start a counter's last value is looked for: longer than any scrape gap

@@ -12,17 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dashboards.config import Config
+from dashboards.names import m, on_vllm
 
 VARIABLES = ("cluster", "namespace", "job", "model_name", "instance", "engine")
 """The dashboard's query variables after the data source, in order: each follows those before it."""
-ENGINES = "kvobs_build_info|vllm[:_]kv_offload_kvobs_evicted_chunks_total"
+ENGINE_SERIES = (m("kvobs_build_info"), on_vllm("kvobs_evicted_chunks", "total"))
 """The series the per-engine variables read: the sidecar's build info, or kvobs's evictions on vLLM's
 /metrics (the kvobs option vllm_metrics, kvobs/vllm/vllm_metrics.py)."""
 
 
 def vllm(name: str) -> str:
-    """vLLM's series ``vllm:<name>`` by either spelling, as a metric-name regex (promql.series reads it)."""
-    return f"vllm[:_]{name}"
+    """vLLM's series ``vllm:<rest>`` by either spelling, as a metric-name regex (promql.series reads it)."""
+    if not name.startswith("vllm:"):
+        raise ValueError(f"not a name of vLLM's: {name!r}")
+    return "vllm[:_]" + name.removeprefix("vllm:")
+
+
+ENGINES = "|".join(vllm(name) if name.startswith("vllm:") else name for name in ENGINE_SERIES)
+""":data:`ENGINE_SERIES` as one metric-name regex, vLLM's by either spelling."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +82,10 @@ def rate(metric: str, selector: str, by: str) -> str:
 
 
 def either_path(sel: Selectors, form: Form, counter: str, label: str) -> str:
-    """kvobs's counter ``kvobs_<counter>`` from the sidecar or, for an engine the sidecar does not
-    export, from vLLM's /metrics (``vllm:kv_offload_kvobs_<counter>``, the kvobs option vllm_metrics):
-    per engine one path, never the sum of both. Grouped by the engine and ``label``."""
+    """kvobs's catalogued counter ``counter`` (``kvobs_<name>``, one of the catalogue's ON_VLLM) from the sidecar
+    or, for an engine the sidecar does not export, from vLLM's /metrics (``vllm:kv_offload_kvobs_<name>``, the
+    kvobs option vllm_metrics): per engine one path, never the sum of both. Grouped by the engine and ``label``."""
     by = f"{sel.engine_id}, {label}"
-    sidecar = form(f"kvobs_{counter}", sel.engine, by)
-    vllm_side = form(vllm(f"kv_offload_kvobs_{counter}"), sel.vllm, by)
-    return f"{sidecar} or ({vllm_side} unless on ({sel.dedup_on}) kvobs_build_info{{{sel.engine}}})"
+    sidecar = form(m(counter, "total"), sel.engine, by)
+    vllm_side = form(vllm(on_vllm(counter, "total")), sel.vllm, by)
+    return f"{sidecar} or ({vllm_side} unless on ({sel.dedup_on}) {m('kvobs_build_info')}{{{sel.engine}}})"

@@ -193,3 +193,67 @@ VLLM_PREFIX = "vllm:kv_offload_"
 def exposed_name(metric: MetricDef) -> str:
     """The name a scrape shows (a counter's with ``_total``; a histogram's series add their suffixes)."""
     return metric.name + "_total" if metric.type == "counter" else metric.name
+
+
+class VllmSeries(NamedTuple):
+    """One of vLLM's own series that kvobs's dashboard shows beside kvobs's (and never counts itself)."""
+
+    name: str
+    """As vLLM declares it (``vllm:...``; a counter's without ``_total``, which the scrape adds)."""
+    type: str
+    """``counter``, ``gauge`` or ``histogram``."""
+    labels: tuple[str, ...]
+    """Besides vLLM's :data:`ENGINE_LABELS` (``model_name``, ``engine``), which it carries first."""
+    since: str
+    """The first supported vLLM release that exports it (kvobs.versions.SUPPORTED_VLLM; all later ones do too)."""
+    source: str
+    """Where vLLM defines it, and when it exports it."""
+
+
+VLLM_SERIES: tuple[VllmSeries, ...] = (
+    # CPUOffloadingMetrics (vllm/v1/kv_offload/cpu/common.py; the CPU spec and the tiering spec, its subclass)
+    VllmSeries("vllm:kv_offload_cpu_cache_usage_perc", "gauge", (), "0.30.0", "CPUOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_cpu_cache_write_usage_perc", "gauge", (), "0.30.0", "CPUOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_cpu_cache_read_usage_perc", "gauge", (), "0.30.0", "CPUOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_cpu_allocation_size", "histogram", (), "0.30.0",
+               "CPUOffloadingMetrics: CPU chunks each prepare_store call asks for"),
+    VllmSeries("vllm:kv_offload_stores_skipped", "counter", (), "0.30.0",
+               "CPUOffloadingMetrics, only with the CPU spec's store_threshold of 2 or more"),
+    # The offloading connector's (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py)
+    VllmSeries("vllm:kv_offload_store_bytes", "counter", (), "0.30.0", "the offloading connector: GPU to offload"),
+    VllmSeries("vllm:kv_offload_load_bytes", "counter", (), "0.30.0", "the offloading connector: offload to GPU"),
+    VllmSeries("vllm:kv_offload_allocation_failure", "counter", (), "0.30.0", "the offloading connector"),
+    VllmSeries("vllm:kv_offload_lookup_sync_delay_seconds", "histogram", (), "0.30.0", "the offloading connector"),
+    # TieringOffloadingMetrics (vllm/v1/kv_offload/tiering/base.py; TieringOffloadingSpec only). vLLM's tier
+    # label is "<index>:<type>" ("0:primary" the CPU tier, "1:fs" a first secondary tier).
+    VllmSeries("vllm:kv_offload_tiering_read_bytes", "counter", ("tier",), "0.30.0",
+               "TieringOffloadingMetrics: bytes promoted from a secondary tier into the CPU tier"),
+    VllmSeries("vllm:kv_offload_tiering_write_bytes", "counter", ("tier",), "0.30.0",
+               "TieringOffloadingMetrics: bytes cascaded from the CPU tier into a secondary tier"),
+    VllmSeries("vllm:kv_offload_tiering_promotion_job_failures", "counter", ("tier",), "0.30.0",
+               "TieringOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_tiering_cascade_job_failures", "counter", ("tier",), "0.30.0",
+               "TieringOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_tiering_chunk_hits", "counter", ("tier",), "0.30.0", "TieringOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_tiering_chunk_queries", "counter", ("tier",), "0.30.0", "TieringOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_tiering_promotion_allocation_failures", "counter", (), "0.30.0",
+               "TieringOffloadingMetrics"),
+    VllmSeries("vllm:kv_offload_tiering_backpressure_stores_dropped", "counter", ("tier",), "0.31.0",
+               "TieringOffloadingMetrics, with a back-pressure policy configured"),
+    VllmSeries("vllm:kv_offload_tiering_backpressure_blocks_dropped", "counter", ("tier",), "0.31.0",
+               "TieringOffloadingMetrics, with a back-pressure policy configured"),
+    VllmSeries("vllm:kv_offload_tiering_backpressure_store_latency_ema", "gauge", ("tier",), "0.31.0",
+               "TieringOffloadingMetrics, with a back-pressure policy configured"),
+    VllmSeries("vllm:kv_offload_tiering_promotion_latency_seconds", "histogram", ("tier", "result"), "0.33.0",
+               "TieringOffloadingMetrics, after a promotion"),
+    # vLLM's engine stat logger (vllm/v1/metrics/loggers.py), the API server's: no offload spec needed
+    VllmSeries("vllm:prompt_tokens_cached_by_source", "counter", ("source",), "0.32.0",
+               "the stat logger: prefix-cache hit tokens by the tier that supplied them (device, host, disk, p2p, "
+               "external_unspecified)"),
+)
+"""vLLM's own series kvobs shows but does not count: every ``vllm:`` series the dashboard reads besides kvobs's
+own (``vllm:kv_offload_kvobs_*``, :data:`ON_VLLM` and :data:`VLLM_ONLY`), named here once (the dashboard's
+panels take their names from here; tests/unit/test_dashboard_json.py checks the generated JSON against this
+and, on the installed release, against vLLM's source). Where vLLM already exports a figure, kvobs shows vLLM's
+series and exports no second count of it (README, "Is the tier doing anything")."""
+VLLM_SERIES_BY_NAME: dict[str, VllmSeries] = {s.name: s for s in VLLM_SERIES}
