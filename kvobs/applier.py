@@ -13,12 +13,12 @@ own thread on the first wake.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
 from typing import Protocol
 
+from kvobs import forks
 from kvobs.codes import APPLY_EVERY_S
 
 logger = logging.getLogger("kvobs")
@@ -81,13 +81,11 @@ class Applier:
                 observer.applier_cpu_s += spent
 
     def _forked(self) -> None:
-        """In a forked child: the parent's thread is not there; the next wake or observer starts one."""
+        """In a forked child (kvobs/forks.py renewed the lock and the event first): the parent's thread is not
+        there; the next wake or observer starts one (restarted lazily)."""
         self._thread = None
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
 
 
 APPLIER = Applier()
 """The process's one applier."""
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=APPLIER._forked)
+forks.track(APPLIER)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvobs import forks
 from kvobs.bundles import MAX_BUNDLES, MAX_HEADER_BYTES
 from kvobs.files import held, hold, keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
@@ -194,6 +196,17 @@ _announcements: list[int] = []
 """The files of this process's unobserved announcements (one per manager kvobs stepped aside from)."""
 
 
+def _forked() -> None:
+    """In a forked child (kvobs/forks.py, after ``_stems_lock`` is renewed): the announcements are the parent's;
+    the child's copies are closed, so they do not keep the parent's line "live" after it died."""
+    while _announcements:
+        with contextlib.suppress(OSError):
+            os.close(_announcements.pop())
+
+
+forks.track(sys.modules[__name__])
+
+
 class JournalFiles:
     """The journal's files for one writer: its segments (appended, rolled at ``segment_bytes``, the
     newest ``KEEP_SEGMENTS`` kept), the pruning of this engine's earlier processes' segments, and its
@@ -241,6 +254,15 @@ class JournalFiles:
                 os.ftruncate(fd, start + kept)
             raise
         self._segment_bytes += len(data)
+
+    def forget_segment(self) -> None:
+        """In a forked child: close this process's copy of the parent's open segment, unwritten. Closing never
+        drops the ``flock`` the parent holds through its own copy; keeping it would keep the segment "held"
+        after the parent died."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def sync(self) -> None:
         """fsync the current segment (if one is open)."""
@@ -343,7 +365,10 @@ class JournalSink(Sink):
         self._snapshot: Snapshot | None = None  # the latest the observer pushed (its pump)
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each batch)
+        self._limit = QUEUE_RECORDS  # -1 in a forked child: every record dropped, counted (_forked)
         self.dropped = 0
+        self.forked_from: int | None = None
+        """In a child forked from the engine, the parent's pid: this sink writes nothing there (:meth:`_forked`)."""
         self._write_lock = threading.Lock()
         self._wall_offset = time.time() - time.monotonic()
         self._totals_seq = itertools.count(1)  # next() is atomic: two flushing threads never share one
@@ -361,11 +386,28 @@ class JournalSink(Sink):
         )))
         self._thread = threading.Thread(target=self._run, name="kvobs-journal", daemon=True)
         self._thread.start()
+        forks.track(self)
+
+    def _forked(self) -> None:
+        """In a child forked from the engine (kvobs/forks.py renewed the locks first). The child is not this
+        journal's writer: its files carry the parent's pid and run, so lines from the child would be read as
+        the parent's (its counters, its failures). The parent writes what was queued (dropped here, counted),
+        the writer thread is not restarted, the child's copy of the open segment is closed (the shared
+        ``flock`` stays the parent's: kvobs.files.hold), and every record and failure report from now on is
+        dropped and counted. A child meant as an engine builds its own manager: a journal under its own pid."""
+        self.forked_from = os.getppid()
+        self.dropped += self._queued
+        self._queue.clear()
+        self._queued = 0
+        self._limit = -1
+        self._closed.set()
+        self.between_flushes = None
+        self.files.forget_segment()
 
     # -- scheduler thread: O(1), never blocks ---------------------------------------
 
     def _enqueue(self, record: tuple[Any, ...], batches: int = 1) -> None:
-        if self._queued + batches > QUEUE_RECORDS:
+        if self._queued + batches > self._limit:
             self.dropped += batches
             return
         self._queued += batches
@@ -378,6 +420,9 @@ class JournalSink(Sink):
     def on_failure(self, event: FailureEvent) -> None:
         """Durable report (naming the failure's trace, when the event carries one), then a bounded
         synchronous drain of the journal."""
+        if self.forked_from is not None:  # a forked child writes nothing of its own in the parent's name
+            self.dropped += 1
+            return
         report = failure_report(event.diagnosis, event.exc, self.writer, time.time(), trace=event.trace)
         name = self.files.report_name(report)
         try:
@@ -424,8 +469,11 @@ class JournalSink(Sink):
 
         The observer's pump runs first (it folds the removal queue, skipped if another thread
         is folding it, and pushes the snapshot the totals are made of), before the write lock
-        is taken: a writer holding the write lock never waits for the drain lock.
+        is taken: a writer holding the write lock never waits for the drain lock. In a forked child
+        nothing is written (:meth:`_forked`).
         """
+        if self.forked_from is not None:
+            return True
         self.pump()
         totals = self._totals()
         if not self._write_lock.acquire(timeout=timeout):

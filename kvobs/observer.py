@@ -9,12 +9,14 @@ isolated: a sink's failure is counted and logged once, never raised into the cal
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from kvobs import forks
 from kvobs.applier import APPLIER
 from kvobs.codes import APPLY_BATCH, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
@@ -194,9 +196,27 @@ class Observer:
         """CPU seconds kvobs's applier thread spent applying this observer's captures (kvobs/applier.py)."""
         self._drain_lock = threading.RLock()
         self._draining = False
+        self.forked_from: int | None = None
+        """In a child forked from the engine, the parent's pid (kvobs/forks.py, docs/design.md "Fork"): the
+        evidence works in-process, nothing is written into the parent's ``dir``."""
         for sink in sinks:
             self.add_sink(sink)
         APPLIER.serve(self)  # applies what the taps capture, off the scheduler thread (kvobs/applier.py)
+        forks.track(self)  # a fork while another thread holds the drain lock must not hang the child
+
+    _fork_parts = ("recorder",)
+    """Parts whose locks kvobs/forks.py renews with the observer's (the compiled recorder has no weak reference)."""
+
+    def _forked(self) -> None:
+        """In a forked child, after kvobs/forks.py renewed the locks: a drain another thread was in is over
+        (its captures stay, applied by the child's next read: the child's manager saw those calls too); a
+        tapped call another thread was in is over. A sink that owns locks or threads tracks itself
+        (kvobs.journal.JournalSink._forked)."""
+        self.forked_from = os.getppid()
+        self._draining = False
+        frame = self.recorder.frame
+        if frame is not None and frame[2] != threading.get_ident():
+            self.recorder.frame = None
 
     # -- sinks -----------------------------------------------------------------
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvobs import forks
 from kvobs.bundles import BUNDLE_DIR
 from kvobs.files import private_dir, write_durably
 from kvobs.wire.format import is_engine_label
@@ -40,6 +42,7 @@ POLL_EVERY_S = 1.0
 MAX_REQUEST_BYTES = 1024
 
 _making = threading.Lock()
+forks.track(sys.modules[__name__])  # the lock is renewed in a forked child (kvobs/forks.py)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Collection
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import OffloadingManager
 
-from kvobs import __version__
+from kvobs import __version__, forks
 from kvobs.bundles import BUNDLE_DIR, REQUESTED_DIR, keep_bundles, new_bundle, write_bundle as write_bundle_file
 from kvobs.flight import FlightWindow, encode_window
 from kvobs.hot_path_loader import CALL
@@ -51,6 +52,7 @@ fraction of a second; the engine goes on)."""
 
 _sequence = 0
 _sequence_lock = threading.Lock()
+forks.track(sys.modules[__name__])  # the lock is renewed in a forked child (kvobs/forks.py)
 
 
 def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None:
@@ -187,6 +189,8 @@ def bundle_on_failure(
     ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes on; kvobs's own line said it). Its path, or
     None."""
     if observer.options.dir is None or observer.options.flight_calls <= 0:  # no recorder asked for: no bundle
+        return None
+    if observer.forked_from is not None:  # a forked child writes nothing into the parent's dir (kvobs/forks.py)
         return None
     now = time.monotonic()
     if recomputed:
