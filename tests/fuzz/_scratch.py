@@ -27,7 +27,8 @@ def scratch(name: str) -> Path:
 
 
 def quiet() -> None:
-    """The readers log what they skip (once per name): under a fuzzer that is noise, not a finding."""
+    """The readers log what they skip (once per name): under a fuzzer that is noise, not a finding. Process-wide
+    (``logging.disable``), so only run.py's fuzzing worker calls it, never a test process."""
     logging.disable(logging.CRITICAL)
 
 

@@ -24,9 +24,8 @@ from kvobs.sidecar.replays import listing
 from kvobs.state_codec import StateError
 from kvobs.vllm.compat import rebuild_state
 from kvobs.vllm.replay import ReplayError, load, replay
-from tests.fuzz._scratch import quiet, scratch
+from tests.fuzz._scratch import scratch
 
-quiet()
 _DIR = scratch("bundle")
 _PATH = _DIR / BUNDLE_DIR / f"001796583651390-0-5514-1{BUNDLE_SUFFIX}"
 _PATH.parent.mkdir()

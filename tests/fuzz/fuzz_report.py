@@ -12,9 +12,8 @@ from kvobs.sidecar.server import FailureQuery, failure_page, served_report
 from kvobs.sidecar.state import SidecarState
 from kvobs.wire.decode import read_report
 from kvobs.wire.format import FAILURES_DIR
-from tests.fuzz._scratch import quiet, scratch
+from tests.fuzz._scratch import scratch
 
-quiet()
 _ID = "001796583651390-0-5514-1"
 _FAILURES = scratch("report") / FAILURES_DIR
 _FAILURES.mkdir()

@@ -21,9 +21,8 @@ from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.server import Handler, SidecarServer
 from kvobs.wire.format import FAILURES_DIR
-from tests.fuzz._scratch import ContractBroken, quiet, scratch
+from tests.fuzz._scratch import ContractBroken, scratch
 
-quiet()
 CORPUS = Path(__file__).parent / "corpus"
 REPORT_ID = "001796583651389-0-5514-0"
 BUNDLE_ID = "001796583651390-0-5514-1"

@@ -16,9 +16,8 @@ from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.state import SidecarState
 from kvobs.wire.decode import JournalPosition, decode_line, read_new_records, read_records
 from kvobs.wire.format import Record
-from tests.fuzz._scratch import ContractBroken, quiet, scratch
+from tests.fuzz._scratch import ContractBroken, scratch
 
-quiet()
 _DIR = scratch("wire")
 _FILE = _DIR / "journal" / "0-1.000000.jsonl"
 _FILE.parent.mkdir()

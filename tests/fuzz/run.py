@@ -31,6 +31,9 @@ MAX_LEN = 16_384
 def _worker(target: str, libfuzzer_args: list[str]) -> None:
     import atheris  # only here: the targets and their corpus replay (test_fuzz.py) do without it
 
+    from tests.fuzz._scratch import quiet
+
+    quiet()  # in the fuzzing process only: imported by pytest, a target must leave logging as it is
     with atheris.instrument_imports(include=["kvobs", "tests.fuzz"]):
         module = importlib.import_module(f"tests.fuzz.fuzz_{target}")
     atheris.Setup([sys.argv[0], *libfuzzer_args], module.TestOneInput)

@@ -14,6 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
+# Output is stdout whatever the environment says (a test process that ran `kvobs replay` in-process has
+# VLLM_LOGGING_STREAM set to stderr, kvobs/cli.py's _replay): vLLM reads it at import.
+os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stdout"
+
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging, init_logger
 from vllm.utils.system_utils import decorate_logs
