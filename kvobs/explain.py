@@ -150,9 +150,10 @@ class LoggedAssertion:
 # -- reading logs ---------------------------------------------------------------------------
 
 
-def _texts(line: str, depth: int = 0) -> list[str]:
+def _texts(line: str, replaced: list[int], depth: int = 0) -> list[str]:
     """The texts of a line to search: the line itself, or — when it is JSON (a formatter, a log
-    shipper, an export) — its decoded string values that hold an assertion, one per line of each."""
+    shipper, an export) — its decoded string values that hold an assertion, one per line of each.
+    ``replaced[0]`` counts the strings whose text was not valid (load_json replaced it: a note says so)."""
     if depth >= MAX_JSON_DEPTH or '"' not in line or not any(hint in line for hint in WORDING_HINTS):
         return [line]
     decoded: list[str] = []
@@ -160,12 +161,13 @@ def _texts(line: str, depth: int = 0) -> list[str]:
         if not any(hint in token[0] for hint in WORDING_HINTS):
             continue
         try:
-            value, _ = load_json(token[0])  # a lone surrogate ("\udc80") is replaced: printable
+            value, invalid = load_json(token[0])  # a lone surrogate ("\udc80") is replaced: printable
         except (ValueError, RecursionError):
             continue
+        replaced[0] += invalid
         if isinstance(value, str):  # decoded: the raw text would misread escaped keys
             for part in value.splitlines():
-                decoded.extend(_texts(strip_escapes(part), depth + 1))
+                decoded.extend(_texts(strip_escapes(part), replaced, depth + 1))
     return decoded if any(ASSERTION.search(text) for text in decoded) else [line]
 
 
@@ -208,6 +210,7 @@ def scan_log(stream: BinaryIO) -> LogScan:
     dropped: set[tuple[Any, ...]] = set()
     untracked = 0
     damage: list[str] = []
+    replaced = [0]
     decoded = log_lines(stream, damage, MAX_LINE_CHARS)
     with contextlib.closing(decoded):  # closed while ``stream`` is still open, however the scan ends
         try:
@@ -216,7 +219,7 @@ def scan_log(stream: BinaryIO) -> LogScan:
         except UnreadableLog as exc:
             raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
         for number, line in itertools.chain(() if first_line is None else (first_line,), lines):
-            for text in _texts(line):
+            for text in _texts(line, replaced):
                 for match in ASSERTION.finditer(text):
                     state = "missing" if match["what"].startswith("not found") else "not_ready"
                     engine_match = ENGINE.search(text) or ENGINE.search(line)
@@ -254,6 +257,9 @@ def scan_log(stream: BinaryIO) -> LogScan:
                     if told is not None:
                         _tell(entry, told)
                     index.add(entry, keyed, part)
+    if replaced[0]:
+        damage.append(f"{replaced[0]} JSON string(s) held text that is not valid (a lone surrogate), read with "
+                      "U+FFFD in its place")
     entries = index.entries
     return LogScan(entries, len(dropped) + untracked, damage)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import socket
 import struct
@@ -212,3 +213,20 @@ def test_engines_beyond_the_bound_are_summed_under_one_other_engine(tmp_path: Pa
     other = state.engines[(OTHER, OTHER)]
     assert len(other.live) == 1 and ("", f"e{MAX_ENGINES + extra - 1}") not in state.engines
     assert sum(sum(h.counts) for h in other.residency.values()) == extra * 2  # 2 samples an overflowed engine
+
+
+def test_kvobs_explain_reads_a_json_log_with_a_lone_surrogate_and_says_it_replaced_it(tmp_path: Path) -> None:
+    """vLLM's real JSON log formatter's line of an EngineCore death (tests/support/crash_log.py), with a lone
+    surrogate escape in the traceback's text: the assertion is still found, and the note counts the string."""
+    crash = subprocess.run([sys.executable, "-m", "tests.support.crash_log", "bare", "missing", "0"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CRASH_LOG_FORMATTER": "json"}, check=True)
+    [line] = [line for line in crash.stdout.splitlines() if "not found in cache" in line]
+    assert '"exc_info": "Traceback' in line
+    log = tmp_path / "vllm.log"
+    log.write_text(line.replace('"exc_info": "Traceback', '"exc_info": "\\udc80 Traceback') + "\n")
+    run = subprocess.run([sys.executable, "-m", "kvobs.cli", "explain", str(log)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "not found in cache" in run.stdout and "Traceback (most recent call last)" not in run.stderr
+    assert "1 JSON string(s) held text that is not valid (a lone surrogate)" in run.stdout, run.stdout
