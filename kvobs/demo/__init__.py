@@ -273,11 +273,15 @@ def _releases_text(setup: EngineSetup) -> str:
 
 
 def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path, before: dict[str, float]) -> None:
+    from kvobs.demo.workload import READ_BACK_LABEL
+
     console.line("\nsummary")
     for run in runs:
         console.line(f"  {run.setup.engine} ({run.setup.spec}): {run.requests} requests in {run.seconds:.1f}s")
         console.line(f"    evicted chunks: {_nonzero(run.evicted)}")
-        console.line(f"    the CPU tier, in chunks: {_nonzero(run.tier)}")
+        # every figure that is not 0, and the read-back share always: 0 there is the finding (pure write waste)
+        shown = ", ".join(f"{k} {v}" for k, v in run.tier.items() if v or k == READ_BACK_LABEL)
+        console.line(f"    the CPU tier, in chunks: {shown}")
         console.line(f"    near misses (hits evicted before their load): {_nonzero(run.near_misses)}")
         console.line(f"    failed loads by cause: {_nonzero(run.failures)}")
         if run.setup.incident:

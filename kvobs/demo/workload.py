@@ -133,7 +133,11 @@ def tier_summary(totals: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
             "promoted": written - sum(totals["stored"].values()), "read": sum(totals["loaded"].values()),
             "read at least once": read_once, "evicted": sum(totals["evicted"].values()),
             "evicted unread": sum(totals["unread"].values()),
-            "read back (%)": 0 if share is None else round(100 * share)}
+            READ_BACK_LABEL: 0 if share is None else round(100 * share)}
+
+
+READ_BACK_LABEL = "read back (%)"
+"""The summary's name for the read-back share (kvobs.codes.READ_BACK_SHARE), in percent."""
 
 
 def extra_config(setup: EngineSetup, directory: str) -> dict[str, Any]:

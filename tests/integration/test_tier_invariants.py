@@ -203,7 +203,7 @@ def test_promotions_from_the_fs_tier_are_writes_into_the_cpu_tier(tmp_path: Path
 def test_the_demo_summary_adds_up(tmp_path: Path) -> None:
     """The demo's tiering engine with vLLM's fs tier, at scheduler level: its summary line of the CPU tier
     (kvobs.demo.workload.tier_summary) keeps the invariants and matches what the sidecar exports."""
-    from kvobs.demo.workload import PRODUCTION_ENGINE, Workload, run_engine
+    from kvobs.demo.workload import PRODUCTION_ENGINE, READ_BACK_LABEL, Workload, run_engine
 
     failures: list[AssertionError] = []
     run = run_engine(PRODUCTION_ENGINE, Workload(requests=60), str(tmp_path / "kvobs"), lambda _: None,
@@ -213,9 +213,9 @@ def test_the_demo_summary_adds_up(tmp_path: Path) -> None:
     assert tier["read at least once"] <= tier["written"] and tier["read at least once"] <= tier["read"]
     assert tier["evicted unread"] <= tier["evicted"] <= tier["written"]
     assert tier["evicted"] - tier["evicted unread"] <= tier["read at least once"]
-    assert 0 <= tier["read back (%)"] <= 100
+    assert 0 <= tier[READ_BACK_LABEL] <= 100
     share = read_back_share(tier["read at least once"], tier["written"])
-    assert share is not None and tier["read back (%)"] == round(100 * share)
+    assert share is not None and tier[READ_BACK_LABEL] == round(100 * share)
     ingest = Ingest(tmp_path / "kvobs")
     ingest.poll()
     samples: dict[str, float] = {}
