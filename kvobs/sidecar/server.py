@@ -81,7 +81,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlencode, urlsplit
 
 from prometheus_client import CollectorRegistry, GCCollector, Metric, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
@@ -414,8 +414,19 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(payload, indent=1).encode(), "application/json", headers=headers)
 
+    def _target(self) -> SplitResult | None:
+        """The request's target, split; None, with a 400 sent, when it does not split (``//[x``: an
+        unclosed IPv6 host; tests/fuzz/crashes/sidecar/)."""
+        try:
+            return urlsplit(self.path)
+        except ValueError as exc:
+            self._json(HTTPStatus.BAD_REQUEST, {"error": f"the request target does not parse: {exc}"})
+            return None
+
     def do_GET(self) -> None:
-        url = urlsplit(self.path)
+        url = self._target()
+        if url is None:
+            return
         if url.path == "/metrics":
             try:
                 encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
@@ -506,7 +517,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         """Only ``POST /api/v1/replays`` (kvobs/sidecar/replays.py); a body, if any, is not read."""
-        url = urlsplit(self.path)
+        url = self._target()
+        if url is None:
+            return
         if url.path != REPLAYS_PATH:
             self._refuse()
             return
@@ -559,7 +572,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _refuse(self) -> None:
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Allow", "GET, HEAD, POST" if urlsplit(self.path).path == REPLAYS_PATH else "GET, HEAD")
+        try:
+            replays = urlsplit(self.path).path == REPLAYS_PATH
+        except ValueError:  # a target that does not split (do_GET's _target): not the replays endpoint
+            replays = False
+        self.send_header("Allow", "GET, HEAD, POST" if replays else "GET, HEAD")
         self.send_header("Content-Length", "0")
         self.send_header("Connection", "close")
         self.end_headers()
