@@ -402,7 +402,7 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
 
 def flight_unsupported(manager: OffloadingManager) -> str | None:
     """Why the flight recorder cannot snapshot this manager's state (None: it can). Only vLLM's
-    ``CPUOffloadingManager`` pickles: a tiering manager holds locks, threads and a shared-memory region."""
+    ``CPUOffloadingManager`` is snapshotted: a tiering manager holds locks, threads and a shared-memory region."""
     if CPUOffloadingManager is None or not isinstance(manager, CPUOffloadingManager):
         return (f"{type(manager).__name__}'s state cannot be snapshotted (only CPUOffloadingManager's can; "
                 "README, 'Replay a failure')")
