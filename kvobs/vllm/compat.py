@@ -425,12 +425,6 @@ def plain_context(req_context: Any) -> ReqContext:
 _INSTANCE_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _instance_names(obj: Any) -> tuple[str, ...]:
-    """The instance attributes ``obj``'s class sets (read from a throwaway instance of it: a CPU manager of one
-    chunk, a cache policy of one chunk's capacity, as every release builds them)."""
-    return _instance_names_of(type(obj))
-
-
 _METHOD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -451,7 +445,7 @@ def _live_state(obj: Any) -> dict[str, Any]:
     ``__init__``) raises ProtocolMismatch, so no snapshot misses state."""
     import gc
 
-    names = _instance_names(obj)
+    names = _instance_names_of(type(obj))
     state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
     # An instance attribute in place of one of the class's methods, one vLLM's __init__ does not set, wraps it
     # (kvobs's own policy taps, hook_policy's; a profiler's timer): behaviour, not state of vLLM's, left out.
@@ -517,8 +511,7 @@ def snapshot_table() -> dict[str, Any]:
                 entry = Entry(cls, "object", frozenset(f.name for f in dataclasses.fields(cls)), singletons)
             elif inspect.isabstract(cls):
                 entry = Entry(cls, "class")
-            elif (CPUOffloadingManager is not None and issubclass(cls, CPUOffloadingManager)) \
-                    or hasattr(cls, "evict"):  # the manager, a cache policy
+            elif _is_manager(cls) or _is_policy(cls):
                 entry = Entry(cls, "object", frozenset(_instance_names_of(cls)))
             else:
                 entry = Entry(cls, "class")
@@ -526,12 +519,20 @@ def snapshot_table() -> dict[str, Any]:
     return _TABLE
 
 
+def _is_manager(cls: type) -> bool:
+    return CPUOffloadingManager is not None and issubclass(cls, CPUOffloadingManager)
+
+
+def _is_policy(cls: type) -> bool:
+    return hasattr(cls, "evict")  # a cache policy (POLICY_METHODS): no base class common to every release
+
+
 def _instance_names_of(cls: type) -> tuple[str, ...]:
-    """:func:`_instance_names` of a class."""
+    """The instance attributes ``cls`` (the CPU manager or a cache policy) sets, read from a throwaway instance
+    of it (a CPU manager of one chunk, a cache policy of one chunk's capacity, as every release builds them)."""
     names = _INSTANCE_NAMES.get(cls)
     if names is None:
-        throwaway = cls(num_chunks=1) if CPUOffloadingManager is not None and issubclass(cls, CPUOffloadingManager) \
-            else cls(cache_capacity=1)
+        throwaway = cls(num_chunks=1) if _is_manager(cls) else cls(cache_capacity=1)
         names = _INSTANCE_NAMES[cls] = tuple(vars(throwaway))
     return names
 
@@ -548,7 +549,7 @@ def _snapshot_attributes(obj: Any) -> dict[str, Any]:
     if fields is not None:
         return {name: getattr(obj, name) for name in fields}
     entry = snapshot_table()[f"{cls.__module__}:{cls.__qualname__}"]
-    if (CPUOffloadingManager is not None and isinstance(obj, CPUOffloadingManager)) or hasattr(cls, "evict"):
+    if _is_manager(cls) or _is_policy(cls):
         state = _live_state(obj)
         if set(state) != entry.names:  # its __dict__ read whole, with an attribute vLLM does not set
             raise ProtocolMismatch(f"{cls.__name__} holds attributes its class does not set "
