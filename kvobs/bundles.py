@@ -1,6 +1,6 @@
 """A replay bundle's file: its format, its name and how many are kept; what an engine writes
-(kvobs/vllm/flight_recorder.py), the sidecar lists and serves (kvobs/sidecar/replays.py) and ``kvobs replay``
-reads (kvobs/vllm/replay.py). Pure standard library: the sidecar imports it.
+(kvobs/vllm/flight_recorder.py), the sidecar lists and serves (kvobs/sidecar/replay_endpoints.py) and ``kvobs replay``
+reads (kvobs/vllm/bundle_replay.py). Pure standard library: the sidecar imports it.
 
 A bundle is a zip: ``bundle.json`` (what a person reads: versions, options, the failure or the request it
 answers, whether it holds a window and, if not, why) and ``window.msgpack`` (the state and the calls a replay

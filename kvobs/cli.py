@@ -1,12 +1,15 @@
-"""``kvobs serve | demo | explain | doctor | replay | assets``: the command line."""
+"""``kvobs serve | demo | explain | doctor | replay | assets``: the command line (``demo`` runs the source
+repository's demo package, which the wheel does not ship)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 SERVE_ENV = {"dir": "KVOBS_DIR", "host": "KVOBS_HOST", "port": "KVOBS_PORT", "log_format": "KVOBS_LOG_FORMAT",
              "log_level": "KVOBS_LOG_LEVEL", "token_file": "KVOBS_TOKEN_FILE"}
@@ -66,7 +69,7 @@ def _setting(args: argparse.Namespace, name: str, default: str | None) -> str | 
 
 def _logging_settings(args: argparse.Namespace) -> tuple[str, str]:
     """--log-format and --log-level (or their variables), checked like a flag's choices."""
-    from kvobs.sidecar.logs import FORMATS, LEVELS
+    from kvobs.sidecar.log_format import FORMATS, LEVELS
 
     log_format = str(_setting(args, "log_format", DEFAULT_LOG_FORMAT)).lower()
     level = str(_setting(args, "log_level", DEFAULT_LOG_LEVEL)).lower()
@@ -110,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     from kvobs.children import ends_with_signals
-    from kvobs.sidecar.logs import configure
+    from kvobs.sidecar.log_format import configure
     from kvobs.sidecar.server import ListenError, serve
 
     configure(log_format, level)
@@ -137,14 +140,33 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_ELSEWHERE = ("kvobs demo: the demo is not part of the installed kvobs (the wheel ships the product only); it "
+                  "lives in kvobs's source repository (demo/): run `make demo` there (`make serve-demo` for --serve)")
+
+
+def _demo_package() -> ModuleType | None:
+    """The ``demo`` package of kvobs's source repository, which the wheel does not ship: the one beside the
+    kvobs package that runs (a checkout, installed editable), else one on ``sys.path``; None when there is none."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "demo" / "__init__.py").is_file() and sys.path[:1] != [str(checkout)]:
+        sys.path.insert(0, str(checkout))  # first: ahead of any other package named demo
+    try:
+        module = importlib.import_module("demo")
+    except ModuleNotFoundError as exc:
+        if exc.name != "demo":
+            raise
+        return None
+    return module if hasattr(module, "run_demo") else None  # not some other package named demo
+
+
 def _demo(args: argparse.Namespace) -> int:
+    package = _demo_package()
+    if package is None:
+        print(DEMO_ELSEWHERE, file=sys.stderr)
+        return 2
     if args.serve:
-        from kvobs.demo.serve import run_serve_demo
-
-        return run_serve_demo(args)
-    from kvobs.demo import run_demo
-
-    return run_demo(args)
+        return int(importlib.import_module("demo.serve").run_serve_demo(args))
+    return int(package.run_demo(args))
 
 
 def _explain(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ def encode_window(state: bytes, keys: list[bytes], calls: list[Encoded]) -> byte
 
 def decode_window(blob: bytes) -> tuple[bytes, list[bytes], list[Encoded]]:
     """(state, keys, calls) of a stored window; ValueError naming what does not fit the schema. What each
-    argument holds is checked where it is used (kvobs.vllm.replay)."""
+    argument holds is checked where it is used (kvobs.vllm.bundle_replay)."""
     try:
         window = msgspec.msgpack.decode(blob, type=Window)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nesting: RecursionError

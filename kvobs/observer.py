@@ -24,7 +24,7 @@ from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalRun, Verdict
 from kvobs.metric_catalogue import TOTALS
 from kvobs.options import Options
-from kvobs.survive import RecomputeLedger
+from kvobs.recompute_ledger import RecomputeLedger
 
 T = TypeVar("T")
 

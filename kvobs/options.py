@@ -77,7 +77,7 @@ _STRINGS = ("dir", "engine", "model_name")
 
 def flight_bytes_range() -> tuple[int, int]:
     """What ``flight_bytes`` may be: a bundle's reader bounds the window it unpacks by the writer's
-    (kvobs.vllm.replay)."""
+    (kvobs.vllm.bundle_replay)."""
     return _INT_RANGES["flight_bytes"]
 _BOOLS = ("vllm_metrics", "survive")
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))

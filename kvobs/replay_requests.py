@@ -1,14 +1,14 @@
 """Replay bundles on demand: the sidecar leaves a request file, each engine's journal writer answers it.
 
 The sidecar and the engines share only their directory, so a request is a file: ``POST /api/v1/replays``
-(kvobs/sidecar/replays.py) writes ``<dir>/replay/requests/<ms>.request`` (JSON: the engine asked, or
+(kvobs/sidecar/replay_endpoints.py) writes ``<dir>/replay/requests/<ms>.request`` (JSON: the engine asked, or
 every engine), and the journal writer thread of each engine with that directory (kvobs/journal.py) looks
 every ``POLL_EVERY_S`` and writes one bundle per request meant for it (kvobs/vllm/flight_recorder.py,
 ``answer``), off the scheduler thread. Bounded: one request per ``REQUEST_EVERY_S`` (the sidecar refuses
 more), each answered once per engine process and ignored, then deleted by the sidecar, after
 ``REQUEST_TTL_S``; bundles are pruned to kvobs.bundles.MAX_BUNDLES as at a failure. The sidecar leaves a
 request only for an engine alive to answer it, and says which requests went unanswered
-(kvobs/sidecar/replays.py: ``answerable``, ``Tracker``).
+(kvobs/sidecar/replay_endpoints.py: ``answerable``, ``Tracker``).
 """
 
 from __future__ import annotations

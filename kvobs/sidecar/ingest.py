@@ -7,7 +7,7 @@ the position of files gone, and checkpoints its state (with every file position)
 restart neither loses nor double counts (docs/reliability.md, "Rotated journals"). One file it cannot read (another
 uid's, a symlink, a damaged report) is skipped, counted by source and reason, and named
 once in the log; the others are read as usual. Each report read is logged once as a structured
-line (``kvobs.sidecar.logs.FailureLines``), and a round that read one checkpoints at once, so a
+line (``kvobs.sidecar.log_format.FailureLines``), and a round that read one checkpoints at once, so a
 restarted sidecar does not log it again.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvobs.files import private_dir, write_durably
-from kvobs.sidecar.logs import FailureLines
+from kvobs.sidecar.log_format import FailureLines
 from kvobs.sidecar.state import SidecarState, load_checkpoint
 from kvobs.wire.decode import JournalPosition, list_reports, read_new_records, read_report
 from kvobs.wire.format import FAILURES_DIR, JOURNAL_DIR, JOURNAL_SUFFIX, stem_of

@@ -1,5 +1,5 @@
 """The sidecar's HTTP endpoints: GET /metrics, /healthz, /api/v1/failures, /api/v1/replays; one POST,
-/api/v1/replays, which asks the engines for replay bundles (kvobs/sidecar/replays.py says how). Nothing
+/api/v1/replays, which asks the engines for replay bundles (kvobs/sidecar/replay_endpoints.py says how). Nothing
 else changes state.
 
 ``GET /metrics``: Prometheus text, or OpenMetrics when the scraper's ``Accept`` asks for it;
@@ -88,11 +88,11 @@ from prometheus_client.exposition import choose_encoder
 
 from kvobs.codes import BUCKETS
 from kvobs.replay_requests import TooSoon
-from kvobs.sidecar import replays
+from kvobs.sidecar import replay_endpoints
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.sidecar.query import DEFAULT_FAILURES, FAILURES_PATH, QueryError, parse_params
-from kvobs.sidecar.replays import REPLAYS_PATH
+from kvobs.sidecar.replay_endpoints import REPLAYS_PATH
 from kvobs.wire.decode import Report, read_report, report_files
 from kvobs.wire.format import FAILURES_DIR, REPORT_ID, REPORT_SUFFIX, report_time_ms
 
@@ -305,8 +305,9 @@ class SidecarServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], ingest: Ingest, token: bytes | None = None) -> None:
         self.ingest = ingest
         self.token = token
-        self.replay_requests = replays.Tracker(ingest)
-        """Follows each replay request to its answer (kvobs/sidecar/replays.py); swept by ``serve``'s thread."""
+        self.replay_requests = replay_endpoints.Tracker(ingest)
+        """Follows each replay request to its answer (kvobs/sidecar/replay_endpoints.py); swept by ``serve``'s
+        thread."""
         self.collector = KvobsCollector(ingest)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -346,7 +347,7 @@ class SidecarServer(ThreadingHTTPServer):
         """What a request's handling raised, through kvobs's logger (so ``--log-format json`` holds: never
         socketserver's raw traceback on standard error). A client gone mid-response (a scraper's timeout, a
         dropped bundle download) is not the sidecar's fault: said at debug level; anything else at error,
-        its traceback in the line (kvobs/sidecar/logs.py's ``exception`` field)."""
+        its traceback in the line (kvobs/sidecar/log_format.py's ``exception`` field)."""
         exc = sys.exc_info()[1]
         client = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
         if isinstance(exc, ConnectionError | TimeoutError):  # broken pipe, reset, aborted; a stalled client
@@ -481,12 +482,12 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(HTTPStatus.OK, served)
         elif url.path == REPLAYS_PATH:
             if self._authorized():
-                self._json(HTTPStatus.OK, replays.listing(self.server.ingest.dir, self.server.replay_requests))
+                self._json(HTTPStatus.OK, replay_endpoints.listing(self.server.ingest.dir, self.server.replay_requests))
         elif url.path.startswith(REPLAYS_PATH + "/"):
             if not self._authorized():
                 return
             bundle_id = url.path[len(REPLAYS_PATH) + 1:]
-            path = replays.bundle_path(self.server.ingest.dir, bundle_id)
+            path = replay_endpoints.bundle_path(self.server.ingest.dir, bundle_id)
             if path is None or not self._send_file(path, "application/zip"):
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no bundle {bundle_id[:200]!r} (ids: {REPLAYS_PATH})"})
         elif url.path == OPENAPI_PATH:
@@ -516,7 +517,7 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def do_POST(self) -> None:
-        """Only ``POST /api/v1/replays`` (kvobs/sidecar/replays.py); a body, if any, is not read."""
+        """Only ``POST /api/v1/replays`` (kvobs/sidecar/replay_endpoints.py); a body, if any, is not read."""
         url = self._target()
         if url is None:
             return
@@ -536,10 +537,10 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         try:
-            made = replays.request(self.server.ingest.dir, url.query, self.server.replay_requests)
-        except replays.RequestError as exc:
+            made = replay_endpoints.request(self.server.ingest.dir, url.query, self.server.replay_requests)
+        except replay_endpoints.RequestError as exc:
             self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc), "parameter": exc.parameter})
-        except replays.Refused as exc:  # no engine would answer: said now, not lost after REQUEST_TTL_S
+        except replay_endpoints.Refused as exc:  # no engine would answer: said now, not lost after REQUEST_TTL_S
             self._json(exc.status, {"error": str(exc), "engine": exc.engine, "reason": exc.reason})
         except TooSoon as exc:
             self._json(HTTPStatus.TOO_MANY_REQUESTS, {"error": str(exc), "retry_after_s": exc.retry_after},

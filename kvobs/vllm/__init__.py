@@ -14,8 +14,8 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from kvobs.vllm.logs import join_vllm_logging
 from kvobs.vllm.spec import ObservedOffloadingSpec
+from kvobs.vllm.vllm_logging import join_vllm_logging
 
 if TYPE_CHECKING:
     from kvobs.vllm.manager import ObservedOffloadingManager

@@ -192,7 +192,7 @@ binds the tapped call shapes. A method vLLM adds is one row here; until it has o
 it to the inner manager unobserved (:func:`unknown_attributes`)."""
 CALL_ARGS: dict[str, tuple[str, ...]] = {row.name: row.recorded for row in PROTOCOL if row.recorded is not None}
 """The calls the flight recorder keeps and what each argument is (``Method.recorded``); kvobs/flight.py
-encodes a window's keys and requests by it, kvobs.vllm.replay decodes it."""
+encodes a window's keys and requests by it, kvobs.vllm.bundle_replay decodes it."""
 FLIGHT_PASS = tuple(row.name for row in PROTOCOL if row.tap == "pass" and row.recorded is not None)
 """Methods kvobs otherwise passes through that change the manager's state: with the flight recorder on
 they are tapped too, so a replay makes every call the manager saw."""
@@ -815,7 +815,7 @@ def worker_offload_region(spec: Any) -> Any:
     """The worker's view of a tiering spec's CPU tier: the ``SharedOffloadRegion`` that vLLM's own
     ``TieringOffloadingSpec.create_worker`` maps (same engine id, slot and sizes, all public
     attributes of the spec and its ``OffloadingConfig`` on 0.30-0.33), for kvobs's CPU copy
-    worker (kvobs/vllm/cpu_worker.py). Slot 0 with a replicated layout, else the worker's rank."""
+    worker (demo/cpu_worker.py). Slot 0 with a replicated layout, else the worker's rank."""
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     rank = 0 if spec.replicated_layout else spec.config.parallel.rank

@@ -408,7 +408,7 @@ def _offloading_config(config: Mapping[str, Any], inner_cls: type[OffloadingSpec
     secondary tiers replaced by vLLM's in-memory one (the CPU tier is what kvobs hooks)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 
-    from kvobs.demo.driver import BLOCK_SIZE, make_kv_cache_config, make_offloading_config
+    from kvobs.vllm.modelless_config import BLOCK_SIZE, make_kv_cache_config, make_offloading_config
 
     transfer = {**config, "kv_connector_extra_config": {  # one GPU block a chunk: this engine's block size is unknown
         k: v for k, v in config.get("kv_connector_extra_config", {}).items() if k not in CHUNK_SIZE_KEYS}}

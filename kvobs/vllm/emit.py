@@ -8,7 +8,7 @@ the bug is there, and passes once it is fixed. Nothing of kvobs is imported.
 
 Built, not pasted (SECURITY.md): the file's code is this module's text; every value from the bundle (keys,
 request ids, answers, the state, the recorded messages) reaches it only as ``repr`` of bytes, str, int, bool
-or None, and method names only after kvobs.vllm.replay.load checked them against the recorded calls.
+or None, and method names only after kvobs.vllm.bundle_replay.load checked them against the recorded calls.
 :func:`render` compiles what it wrote before returning it.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from kvobs import state_codec
 from kvobs.flight import decode_indices
 from kvobs.vllm import compat
-from kvobs.vllm.replay import Bundle, ReplayError
+from kvobs.vllm.bundle_replay import Bundle, ReplayError
 
 _WIDTH = 100
 _CHUNK = 48

@@ -3,7 +3,7 @@
 The window itself is kvobs/flight.py's; this module knows the manager it snapshots (kvobs.vllm.compat
 ``snapshot_state``, ``CALL_ARGS``) and writes bundles into ``<dir>/replay/`` (the newest
 ``MAX_BUNDLES`` kept), or wherever :func:`write_bundle` is asked to. ``kvobs replay`` reads them
-(kvobs.vllm.replay).
+(kvobs.vllm.bundle_replay).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvobs.journal import JournalSink
 
 FAILED = "AssertionError"
-"""The answer recorded for the load that failed (kvobs.vllm.replay compares against it)."""
+"""The answer recorded for the load that failed (kvobs.vllm.bundle_replay compares against it)."""
 
 logger = logging.getLogger("kvobs")
 

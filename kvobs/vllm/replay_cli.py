@@ -1,4 +1,4 @@
-"""What ``kvobs replay`` prints (kvobs/cli.py parses its arguments; kvobs.vllm.replay does the work)."""
+"""What ``kvobs replay`` prints (kvobs/cli.py parses its arguments; kvobs.vllm.bundle_replay does the work)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvobs.vllm.bundle_replay import ReplayError, load, minimize, replay
 from kvobs.vllm.emit import render
-from kvobs.vllm.replay import ReplayError, load, minimize, replay
 
 
 def run(path: str, *, minimize_calls: bool = False, budget_s: float = 120.0, emit_test: str | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobs.demo.engine import VllmServer
+from demo.engine import VllmServer
 from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, serve
 
 ENGINE_PYTHON_ENV = "KVOBS_ENGINE_PYTHON"
@@ -46,7 +46,7 @@ def engine_release(engine_python: Path) -> str:
 
 
 def _model(engine_python: Path, directory: Path, shape: str) -> Path:
-    subprocess.run([str(engine_python), "-m", "kvobs.demo.tiny_model", str(directory), shape],
+    subprocess.run([str(engine_python), "-m", "demo.tiny_model", str(directory), shape],
                    cwd=ROOT, check=True, capture_output=True, timeout=300,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return directory

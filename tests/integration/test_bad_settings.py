@@ -1,7 +1,7 @@
 """Mistakes that are loud (issue 41): an unusable directory, a recorder that cannot run, settings vLLM refuses.
 
 Real parts: vLLM's ``OffloadingConnectorScheduler`` built as ``OffloadingConnector`` builds it
-(``kvobs.demo.driver.build_scheduler``) or vLLM's spec factory, with kvobs plugged in as
+(``demo.driver.build_scheduler``) or vLLM's spec factory, with kvobs plugged in as
 ``ObservedOffloadingSpec``; vLLM's own ``KVConnectorProm`` records the scheduler's stats into
 prometheus_client's registry (as the API server's stat logger does); real directories that kvobs cannot use
 (``/proc``, a file, a path under a file: the tests run as any uid, root included); ``kvobs doctor``'s
@@ -24,10 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-from kvobs.demo.driver import build_scheduler, make_vllm_config
+from demo.driver import build_scheduler
 from kvobs.journal import DIR_LOST
 from kvobs.vllm import ObservedOffloadingManager
 from kvobs.vllm.doctor import CONFIG_ERROR, OBSERVES, diagnose
+from kvobs.vllm.modelless_config import make_vllm_config
 from tests.support.vllm_env import VLLM, cpu_extra, create_spec, observed_extra, tiering_extra
 
 GAUGE = "vllm:kv_offload_kvobs_unavailable"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvobs.sidecar.logs import FAILURE_LINES_BURST
+from kvobs.sidecar.log_format import FAILURE_LINES_BURST
 from tests.support.services import ROOT, OtlpReceiver, free_port, http_get
 from tests.support.vllm_env import VLLM
 
@@ -214,7 +214,7 @@ def _check_hints(summary: str, directory: Path) -> None:
 def test_where_to_look_names_only_files_that_exist(tmp_path: Path) -> None:
     """Issue 41: the hint named a vllm.log the demo never wrote. Each path printed must exist when printed,
     with failures and without."""
-    from kvobs.demo import DEMO_LOG, where_to_look
+    from demo import DEMO_LOG, where_to_look
 
     url = "http://127.0.0.1:9464"
     empty = where_to_look(url, tmp_path, time.time())
@@ -255,7 +255,7 @@ def test_the_serve_demos_printed_config_is_plain_kvobs_on_one_line(tmp_path: Pat
     It is one line whose JSON is kvobs around vLLM's CPU spec, valid kvobs options; the defect is named apart."""
     import shlex
 
-    from kvobs.demo.serve import DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE, config_lines
+    from demo.serve import DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE, config_lines
     from kvobs.options import parse_options
 
     directory = tmp_path / "it's a dir" / "kvobs"
@@ -264,7 +264,7 @@ def test_the_serve_demos_printed_config_is_plain_kvobs_on_one_line(tmp_path: Pat
     words = shlex.split(command)
     assert words[:3] == ["vllm", "serve", "MODEL"] and words[3] == "--kv-transfer-config" and len(words) == 5
     config = json.loads(words[4])
-    assert "kvobs.demo" not in words[4] and DEMO_INNER_SPEC not in words[4]
+    assert '"demo.' not in words[4] and DEMO_INNER_SPEC not in words[4]  # no module of the demo package
     extra = config["kv_connector_extra_config"]
     assert extra["spec_name"] == "ObservedOffloadingSpec" and extra["spec_module_path"] == "kvobs.vllm"
     assert extra["kvobs"]["inner_spec"] == "CPUOffloadingSpec" and extra["kvobs"]["dir"] == str(directory)

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from vllm.v1.kv_offload.base import OffloadingManager
 
-from kvobs.demo.incidents import promotion_evicts_hit
+from demo.incidents import promotion_evicts_hit
 from kvobs.diagnosis import MISSING
 from tests.integration.test_fs_tier import observed_fs, run
 from tests.integration.test_replay import evicted_after_lookup

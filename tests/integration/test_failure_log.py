@@ -16,7 +16,7 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
 import kvobs
-from kvobs.sidecar.logs import FAILURE_EVENT
+from kvobs.sidecar.log_format import FAILURE_EVENT
 from tests.support.services import Sidecar, http_get, wait_for
 from tests.support.vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 

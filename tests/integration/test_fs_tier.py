@@ -4,7 +4,7 @@ vLLM's real ``FileSystemTierManager`` behind the CPU tier (files in a temporary 
 thread pool and async lookups), a Gemma-style hybrid model with six KV groups (1 full attention,
 5 sliding window), through vLLM's real ``OffloadingConnectorScheduler`` with kvobs plugged in as
 ``ObservedOffloadingSpec``. Nothing is injected: each failure comes from vLLM's own code, and
-which release fails is part of what is tested (kvobs/demo/incidents.py says which and why). Where
+which release fails is part of what is tested (demo/incidents.py says which and why). Where
 a release does not fail, kvobs must still have seen what happened: promotions evicting chunks
 from inside ``lookup()``.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-from kvobs.demo.driver import EngineStepDriver, build_scheduler
-from kvobs.demo.incidents import (
+from demo.driver import EngineStepDriver, build_scheduler
+from demo.incidents import (
     MTP_RETAINED_TOKENS,
     PRODUCTION,
     PRODUCTION_CPU_CHUNKS,

@@ -3,8 +3,8 @@
 vLLM labels its series ``model_name`` (the served model) and ``engine`` (the engine index, "0", "1",
 ...; ``vllm/v1/metrics/loggers.py``). The plugin reads both from vLLM at start-up; here through
 vLLM's real ``OffloadingConnector`` and kvobs's subclass of it (the model config is a stand-in: a
-real ``ModelConfig`` needs a model's files, see ``kvobs/demo/driver.py``), and end to end through
-a real Prometheus.
+real ``ModelConfig`` needs a model's files, see ``kvobs/vllm/modelless_config.py``), and end to end
+through a real Prometheus.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvobs.demo import driver
-from kvobs.vllm import ObservedOffloadingManager
+from kvobs.vllm import ObservedOffloadingManager, modelless_config
 from tests.support.services import ROOT, Prometheus, Sidecar, free_port, http_get, wait_for
 
 VLLM_METRICS = "tests.support.vllm_metrics_process"  # run as a module from the repository root
@@ -28,7 +27,7 @@ VLLM_METRICS = "tests.support.vllm_metrics_process"  # run as a module from the 
 # vLLM's series are selected by a name pattern taking either (README, "Joining vLLM's series").
 STORE_BYTES = '{__name__=~"vllm[:_]kv_offload_store_bytes_total"}'
 LOAD_BYTES = '{__name__=~"vllm[:_]kv_offload_load_bytes_total"}'
-HARNESS_MODEL = "kvobs/cpu-harness"  # the model path kvobs/demo/driver.py's stand-in model config names
+HARNESS_MODEL = "kvobs/cpu-harness"  # the model path kvobs/vllm/modelless_config.py's ModelFacts names
 
 
 def connector_with(served_model_name: Any, dp_index: int = 0, *, kvobs_connector: bool = True,
@@ -42,17 +41,17 @@ def connector_with(served_model_name: Any, dp_index: int = 0, *, kvobs_connector
 
     extra = {"spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
              "kvobs": {"inner_spec": "CPUOffloadingSpec", **kvobs_options}, "cpu_bytes_to_use": 1 << 20}
-    vllm_config = driver.make_vllm_config(extra)
+    vllm_config = modelless_config.make_vllm_config(extra)
     vllm_config.parallel_config.data_parallel_index = dp_index
-    facts = driver._ModelFacts()
+    facts = modelless_config.ModelFacts()
     model_config = types.SimpleNamespace(**{f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)},
                                          get_total_num_kv_heads=facts.get_total_num_kv_heads)
     if served_model_name is not None:
         model_config.served_model_name = served_model_name
-    config = driver._WithModelFacts(vllm_config)
+    config = modelless_config.WithModelFacts(vllm_config)
     config.model_config = model_config  # type: ignore[assignment]
     connector_cls = ObservedOffloadingConnector if kvobs_connector else OffloadingConnector
-    return connector_cls(config, KVConnectorRole.SCHEDULER, driver.make_kv_cache_config(hybrid=False))
+    return connector_cls(config, KVConnectorRole.SCHEDULER, modelless_config.make_kv_cache_config(hybrid=False))
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kvobs's records inside a vLLM process go through vLLM's logging (kvobs/vllm/logs.py), at vLLM's level.
+"""kvobs's records inside a vLLM process go through vLLM's logging (kvobs/vllm/vllm_logging.py), at vLLM's level.
 
 Each case is a fresh Python process that imports vLLM (which configures its logging) and the plugin
 package, as every vLLM process loading the plugin does, then logs as kvobs does when it steps aside.

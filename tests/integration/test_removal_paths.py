@@ -1,4 +1,4 @@
-"""The removal paths vLLM 0.34 made live, through its real connector scheduler (kvobs.demo.driver).
+"""The removal paths vLLM 0.34 made live, through its real connector scheduler (demo.driver).
 
 * A store job the workers report failed: 0.34's connector calls ``complete_store(success=False)`` and
   logs "dropping N chunk(s)"; kvobs records each chunk as a ``store_failed`` removal (path
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvobs.demo.driver import EngineStepDriver, build_scheduler, make_request, offload_key
+from demo.driver import EngineStepDriver, build_scheduler, make_request, offload_key
 from kvobs.vllm import compat
 from kvobs.vllm.manager import ObservedOffloadingManager
 

@@ -19,8 +19,8 @@ import kvobs
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
 from kvobs.cli import main as kvobs_main
 from kvobs.vllm import ObservedOffloadingManager
+from kvobs.vllm.bundle_replay import ReplayError, load, minimize, replay
 from kvobs.vllm.flight_recorder import write_bundle
-from kvobs.vllm.replay import ReplayError, load, minimize, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
 from tests.support.vllm_env import cpu_extra, create_manager, key, tiering_extra
 

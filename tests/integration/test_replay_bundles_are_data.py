@@ -22,8 +22,8 @@ from kvobs.bundles import HEADER, WINDOW
 from kvobs.cli import main as kvobs_main
 from kvobs.state_codec import StateError
 from kvobs.vllm import compat
+from kvobs.vllm.bundle_replay import ReplayError, load, replay
 from kvobs.vllm.emit import render
-from kvobs.vllm.replay import ReplayError, load, replay
 from tests.integration.test_replay import fail_and_bundle
 
 

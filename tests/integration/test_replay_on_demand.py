@@ -20,8 +20,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 from kvobs.bundles import MAX_BUNDLES
 from kvobs.cli import main as kvobs_main
 from kvobs.replay_requests import POLL_EVERY_S, REQUEST_EVERY_S, REQUEST_TTL_S, make_request, requests_dir
-from kvobs.sidecar.replays import REPLAYS_PATH
-from kvobs.vllm.replay import load, replay
+from kvobs.sidecar.replay_endpoints import REPLAYS_PATH
+from kvobs.vllm.bundle_replay import load, replay
 from tests.support.causes import END, ctx, failed_load, observed, store
 from tests.support.services import ROOT, Sidecar, http_get, wait_for
 from tests.support.vllm_env import cpu_extra, key

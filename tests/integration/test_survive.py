@@ -20,9 +20,17 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
-from kvobs.demo import driver
+from demo import driver
 from kvobs.options import OptionError
 from kvobs.vllm import ObservedOffloadingManager, compat
+from kvobs.vllm.modelless_config import (
+    BLOCK_SIZE,
+    ModelFacts,
+    WithModelFacts,
+    make_kv_cache_config,
+    make_offloading_config,
+    make_vllm_config,
+)
 from tests.support.causes import END, ctx, observed, store
 from tests.support.vllm_env import cpu_extra, key, tiering_extra
 
@@ -127,25 +135,25 @@ def test_survive_off_changes_nothing(managers: list) -> None:
 def connectors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, policy: str = "recompute", hybrid: bool = False,
                defect: str = "LookupEvictsSpec", **options: Any) -> tuple[Any, Any, Path]:
     """kvobs's connector, scheduler and worker sides, as ``vllm serve`` builds them, over vLLM's CPU
-    manager with the injected defect (kvobs/demo/defects.py: the lookup after a HIT evicts it)."""
+    manager with the injected defect (demo/defects.py: the lookup after a HIT evicts it)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvobs.demo.engine import DEFECT_TRIGGER_ENV
+    from demo.engine import DEFECT_TRIGGER_ENV
     from kvobs.vllm.connector import ObservedOffloadingConnector
 
     trigger = tmp_path / "trigger"
     monkeypatch.setenv(DEFECT_TRIGGER_ENV, str(trigger))
-    kv_cache_config = driver.make_kv_cache_config(hybrid=hybrid)
+    kv_cache_config = make_kv_cache_config(hybrid=hybrid)
     extra: dict[str, Any] = {
         "spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
-        "kvobs": {"inner_spec": defect, "inner_spec_module_path": "kvobs.demo.defects", "survive": True, **options},
+        "kvobs": {"inner_spec": defect, "inner_spec_module_path": "demo.defects", "survive": True, **options},
     }
-    probe = driver.make_offloading_config(driver.make_vllm_config(extra), kv_cache_config)
+    probe = make_offloading_config(make_vllm_config(extra), kv_cache_config)
     extra["cpu_bytes_to_use"] = driver.cpu_bytes_for_chunks(probe, 16)
-    vllm_config = driver.make_vllm_config(extra)
+    vllm_config = make_vllm_config(extra)
     vllm_config.kv_transfer_config.kv_load_failure_policy = policy
-    facts = driver._ModelFacts()
-    config = driver._WithModelFacts(vllm_config)
+    facts = ModelFacts()
+    config = WithModelFacts(vllm_config)
     config.model_config = types.SimpleNamespace(  # type: ignore[assignment]
         **{f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)},
         get_total_num_kv_heads=facts.get_total_num_kv_heads)
@@ -187,8 +195,8 @@ def store_then_load_armed(scheduler: Any, trigger: Path, *, hybrid: bool, blocks
     """Through kvobs's connector: "first" stores a prompt of ``blocks`` blocks and finishes; with the defect
     armed, "second" sends the same prompt, whose load finds a chunk missing (vLLM's engine would die
     there). The driver, the second request and the metadata of that step."""
-    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=hybrid))
-    prompt = list(range(1, blocks * driver.BLOCK_SIZE + 2))
+    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), make_kv_cache_config(hybrid=hybrid))
+    prompt = list(range(1, blocks * BLOCK_SIZE + 2))
     first = driver.make_request("first", prompt)
     steps.step([first])
     steps.step()
@@ -244,7 +252,7 @@ def test_several_kv_cache_groups_recompute_the_whole_request(monkeypatch: pytest
     """A hybrid model (a full-attention and a sliding-window group): vLLM cannot map failed blocks back
     to requests, so the connector reports the request itself (``failed_recving``, which vLLM's scheduler
     restarts from token 0); its workers report it in the step its load goes out. The defect evicts the
-    load's first chunk just before the load (kvobs.demo.defects.LoadEvictsSpec); tests/engine/
+    load's first chunk just before the load (demo.defects.LoadEvictsSpec); tests/engine/
     test_survive.py shows the outputs of a real hybrid engine stay right."""
     scheduler, worker, trigger = connectors(monkeypatch, tmp_path, hybrid=True, defect="LoadEvictsSpec")
     manager = scheduler.connector_scheduler.manager
@@ -277,7 +285,7 @@ def test_a_reset_before_the_survived_load_completes_leaks_no_pin(monkeypatch: py
     CPU tier (16 chunks), and a new prompt is no longer offloaded (``prepare_store`` returns None)."""
     scheduler, _worker, trigger = connectors(monkeypatch, tmp_path, defect="LoadEvictsSpec")
     manager = scheduler.connector_scheduler.manager
-    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), driver.make_kv_cache_config(hybrid=False))
+    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), make_kv_cache_config(hybrid=False))
     serial = iter(range(1000))
 
     def run(prompt: list[int], *, reset: bool = False) -> int:
@@ -300,7 +308,7 @@ def test_a_reset_before_the_survived_load_completes_leaks_no_pin(monkeypatch: py
         steps.report_all_worker_jobs()
         return steps.num_external_tokens[request.request_id] or 0
 
-    prompts = [list(range(1000 * i + 1, 1000 * i + 4 * driver.BLOCK_SIZE + 2)) for i in range(4)]
+    prompts = [list(range(1000 * i + 1, 1000 * i + 4 * BLOCK_SIZE + 2)) for i in range(4)]
     try:
         for event, prompt in enumerate(prompts):
             assert not run(prompt)  # stored
@@ -309,11 +317,11 @@ def test_a_reset_before_the_survived_load_completes_leaks_no_pin(monkeypatch: py
             assert manager.observer.recomputes.counts["loads"] == event + 1
         for prompt in prompts:  # no reset from here on: each prompt stored again and loaded whole
             run(prompt)
-            assert run(prompt) == 4 * driver.BLOCK_SIZE
+            assert run(prompt) == 4 * BLOCK_SIZE
 
-        fresh = list(range(90001, 90001 + 4 * driver.BLOCK_SIZE + 2))
+        fresh = list(range(90001, 90001 + 4 * BLOCK_SIZE + 2))
         assert not run(fresh)
-        assert run(fresh) == 4 * driver.BLOCK_SIZE, "the CPU tier still takes a new prompt"
+        assert run(fresh) == 4 * BLOCK_SIZE, "the CPU tier still takes a new prompt"
         assert manager.survival is not None and not manager.survival._unpinned
     finally:
         scheduler.shutdown()

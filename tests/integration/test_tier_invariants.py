@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
+from demo.incidents import fs_tier
 from kvobs.codes import read_back_share
-from kvobs.demo.incidents import fs_tier
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
 from kvobs.vllm import compat
@@ -202,8 +202,8 @@ def test_promotions_from_the_fs_tier_are_writes_into_the_cpu_tier(tmp_path: Path
 
 def test_the_demo_summary_adds_up(tmp_path: Path) -> None:
     """The demo's tiering engine with vLLM's fs tier, at scheduler level: its summary line of the CPU tier
-    (kvobs.demo.workload.tier_summary) keeps the invariants and matches what the sidecar exports."""
-    from kvobs.demo.workload import PRODUCTION_ENGINE, READ_BACK_LABEL, Workload, run_engine
+    (demo.workload.tier_summary) keeps the invariants and matches what the sidecar exports."""
+    from demo.workload import PRODUCTION_ENGINE, READ_BACK_LABEL, Workload, run_engine
 
     failures: list[AssertionError] = []
     run = run_engine(PRODUCTION_ENGINE, Workload(requests=60), str(tmp_path / "kvobs"), lambda _: None,

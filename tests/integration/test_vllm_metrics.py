@@ -1,12 +1,12 @@
 """The ``vllm_metrics`` option: kvobs's live counters on vLLM's own /metrics, recorded by vLLM.
 
-Real parts throughout: vLLM's ``OffloadingConnectorScheduler`` (``kvobs.demo.driver``) with
+Real parts throughout: vLLM's ``OffloadingConnectorScheduler`` (``demo.driver``) with
 kvobs plugged in as ``ObservedOffloadingSpec`` around ``TieringOffloadingSpec`` and vLLM's real
 fs tier, the scheduler's own ``get_stats()`` each step, and vLLM's own ``KVConnectorProm`` (what
 the API server's stat logger records the stats with, vllm/v1/metrics/loggers.py) into
 prometheus_client's default registry, cleared before and after with vLLM's own
 ``unregister_vllm_metrics``. The load failure comes from vLLM's own code: a release-dependent
-request pattern from kvobs/demo/incidents.py. Off (the default), kvobs declares and reports
+request pattern from demo/incidents.py. Off (the default), kvobs declares and reports
 exactly what the inner spec and manager do.
 """
 
@@ -25,18 +25,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import get_
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-from kvobs.codes import CAUSES, REASONS
-from kvobs.demo.driver import EngineStepDriver, build_scheduler, make_vllm_config
-from kvobs.demo.incidents import (
+from demo.driver import EngineStepDriver, build_scheduler
+from demo.incidents import (
     PRODUCTION,
     PRODUCTION_CPU_CHUNKS,
     fs_tier,
     promotion_after_deferral,
     promotion_evicts_hit,
 )
-from kvobs.demo.workload import Traffic, Workload
+from demo.workload import Traffic, Workload
+from kvobs.codes import CAUSES, REASONS
 from kvobs.options import OptionError, parse_options
 from kvobs.vllm import ObservedOffloadingManager, compat, vllm_metrics
+from kvobs.vllm.modelless_config import make_vllm_config
 from tests.support.scheduler_harness import DOCUMENT, FILLERS
 from tests.support.twin_driver import stats_shape
 from tests.support.vllm_env import VLLM, cpu_extra, create_spec, observed_extra, tiering_extra
@@ -82,7 +83,7 @@ def plugin_extra(tmp_path: Path, **kvobs_options: Any) -> dict[str, Any]:
 
 
 def replay_failure(driver: EngineStepDriver) -> None:
-    """A request pattern on which this release's own code fails a load (kvobs/demo/incidents.py)."""
+    """A request pattern on which this release's own code fails a load (demo/incidents.py)."""
     if VLLM >= (0, 33):
         promotion_evicts_hit(driver, DOCUMENT, FILLERS[0][:32])
     else:

@@ -39,6 +39,8 @@ THIS_SITE = Path(sysconfig.get_path("purelib"))
 KVOBS_FILES = ("kvobs", "__editable__.kvobs", "__editable___kvobs")
 """The names in a site-packages that are kvobs's (package, dist-info, the editable .pth and finder)."""
 NEVER_IN_THE_WHEEL = ("demo/", "benchmarks/", "docs/", "tests/", "dashboards/", "docker/")
+NOT_THE_PRODUCT = ("demo", "cpu_worker", "defects", "tiny_model")
+"""Names of the demo's modules (the repository's demo/ package): in no path of the wheel or the sdist's package."""
 CRASH_LOG = "tests.support.crash_log"
 
 
@@ -100,6 +102,9 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
     names = zipfile.ZipFile(installed.wheel).namelist()
     stray = [n for n in names if not n.startswith(("kvobs/", f"kvobs-{__version__}.dist-info/"))]
     assert not stray and not [n for n in names if n.startswith(NEVER_IN_THE_WHEEL)], stray
+    demo = [n for n in names if any(part in n.split("/")[-1] for part in NOT_THE_PRODUCT)
+            or any(folder in NOT_THE_PRODUCT for folder in n.split("/")[:-1])]
+    assert not demo, demo  # kvobs/demo/ and kvobs/vllm/cpu_worker.py were in it before issue 43
     assert f"kvobs-{__version__}.dist-info/licenses/LICENSE" in names
     packaged = sorted(n.removeprefix(f"kvobs/{PACKAGED}/") for n in names if n.startswith(f"kvobs/{PACKAGED}/"))
     assert packaged == select(ROOT)  # every asset the checkout has, and only those
@@ -109,6 +114,7 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
         top = f"kvobs-{__version__}/"
         members = {m.name.removeprefix(top) for m in sdist.getmembers()}
     assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "kvobs/hot_path.py"} <= members
+    assert not [m for m in members if m.startswith(("demo/", "kvobs/demo/")) or "cpu_worker" in m]
     assert set(select(ROOT)) <= members  # a wheel built from the sdist (python -m build does) has them too
 
 
@@ -130,6 +136,14 @@ def test_doctor_with_the_readmes_configuration(installed: Installed) -> None:
     report = json.loads(run.stdout)
     assert report["kvobs"]["python"].startswith(str(installed.venv)) and report["observe"]["observes"] is True
     assert report["hot_path"] == ("compiled" if compiler_present() else "python")
+
+
+@pytest.mark.slow
+def test_the_wheels_demo_says_where_the_demo_is(installed: Installed) -> None:
+    """The wheel has no demo package: ``kvobs demo`` says it lives in the source repository, exit 2."""
+    for args in (("demo",), ("demo", "--serve")):
+        run = installed.run(*args)
+        assert (run.returncode, run.stdout, run.stderr) == (2, "", cli.DEMO_ELSEWHERE + "\n"), run
 
 
 @pytest.mark.slow
@@ -194,6 +208,21 @@ def check_assets(target: Path) -> None:
         groups = yaml.safe_load((target / "dashboards/rules" / rules).read_text())["groups"]
         assert groups and all(group["rules"] for group in groups), rules
     assert os.access(target / "docker/k8s/overlays/production-stack/helm-post-renderer/post-render.sh", os.X_OK)
+
+
+def test_the_demo_missing_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                            ) -> None:
+    """Where no demo package is found (the wheel), ``kvobs demo`` names where it is, and runs nothing."""
+    monkeypatch.setattr(cli, "_demo_package", lambda: None)
+    assert cli.main(["demo", "--requests", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err == cli.DEMO_ELSEWHERE + "\n" and "make demo" in err and "source repository" in err
+
+
+def test_the_checkouts_demo_is_found_beside_its_kvobs() -> None:
+    """From the checkout (kvobs installed editable, as `make venv` does) the demo is the repository's."""
+    package = cli._demo_package()
+    assert package is not None and Path(package.__file__ or "").resolve() == ROOT / "demo" / "__init__.py"
 
 
 def test_assets_from_the_checkout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvobs.demo.engine import (
+from demo.engine import (
     VllmServer,
     counter_samples,
     loaded_token_counts,

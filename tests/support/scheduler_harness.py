@@ -1,4 +1,4 @@
-"""vLLM #50014 reproduced through the real ``OffloadingConnectorScheduler`` (see kvobs.demo.driver)."""
+"""vLLM #50014 reproduced through the real ``OffloadingConnectorScheduler`` (see demo.driver)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,14 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey
 
-from kvobs.demo.driver import (
-    FA_GROUP,
-    SW_GROUP,
-    EngineStepDriver,
-    build_scheduler,
-    make_request,
-    offload_key,
-)
-from kvobs.demo.incidents import promotion_evicts_hit
+from demo.driver import EngineStepDriver, build_scheduler, make_request, offload_key
+from demo.incidents import promotion_evicts_hit
+from kvobs.vllm.modelless_config import FA_GROUP, SW_GROUP
 
 DOCUMENT = list(range(1000, 1160))
 FILLER = list(range(5000, 5032))
 FILLERS = [list(range(5000 + 100 * i, 5049 + 100 * i)) for i in range(4)]
-"""The incidents' inputs (kvobs/demo/incidents.py), shared by the tests that replay them."""
+"""The incidents' inputs (demo/incidents.py), shared by the tests that replay them."""
 
 
 @dataclass
@@ -49,7 +43,7 @@ def reproduce_promotion_evicts_hit(
     spec_module_path: str | None = None,
     hybrid: bool = True,
 ) -> PromotionEvictsHitResult:
-    """Reproduce vLLM #50014 (``kvobs.demo.incidents.promotion_evicts_hit``) on a fresh engine.
+    """Reproduce vLLM #50014 (``demo.incidents.promotion_evicts_hit``) on a fresh engine.
 
     With ``hybrid=False`` (e.g. ``CPUOffloadingSpec``) the same steps run and ``c`` loads,
     prefills and finishes normally; ``error`` is then None. The spec is always shut down.

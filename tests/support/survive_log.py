@@ -18,7 +18,7 @@ from vllm.logger import configure_logging
 from vllm.utils.system_utils import decorate_logs
 from vllm.v1.kv_offload.base import ReqContext
 
-from kvobs.vllm.logs import join_vllm_logging
+from kvobs.vllm.vllm_logging import join_vllm_logging
 from tests.support.vllm_env import cpu_extra, create_manager, key, observed_extra
 
 

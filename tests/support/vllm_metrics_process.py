@@ -2,7 +2,7 @@
 
 vLLM's API server needs a model and a GPU; its offload metrics do not. This process runs the
 real ``OffloadingConnectorScheduler`` with the kvobs plugin around ``TieringOffloadingSpec``
-(``kvobs.demo.driver``; traffic from ``kvobs.demo.workload``), takes the
+(``demo.driver``; traffic from ``demo.workload``), takes the
 scheduler's real ``get_stats()`` every step, and records them with vLLM's own
 ``KVConnectorProm`` into prometheus_client's default registry, served over HTTP — what the API
 server's stat logger does with the stats EngineCore sends it.
@@ -28,8 +28,9 @@ from prometheus_client import start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferStats
 
-from kvobs.demo.driver import EngineStepDriver, build_scheduler, make_vllm_config
-from kvobs.demo.workload import Traffic, Workload
+from demo.driver import EngineStepDriver, build_scheduler
+from demo.workload import Traffic, Workload
+from kvobs.vllm.modelless_config import make_vllm_config
 
 MODEL = "kvobs/cpu-harness"
 

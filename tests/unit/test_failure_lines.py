@@ -1,4 +1,4 @@
-"""The sidecar's structured line per failure report (kvobs.sidecar.logs): its fields, its JSON in
+"""The sidecar's structured line per failure report (kvobs.sidecar.log_format): its fields, its JSON in
 either log format, and its bound. The reports are real: an observer's journal sink writes them for
 real failed loads (no vLLM needed), and the sidecar's own ingest reads them."""
 
@@ -19,9 +19,9 @@ from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
 from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
-from kvobs.sidecar import logs
+from kvobs.sidecar import log_format
 from kvobs.sidecar.ingest import Ingest
-from kvobs.sidecar.logs import FAILURE_EVENT, SUPPRESSED_EVENT, FailureLines, JsonFormatter, TextFormatter
+from kvobs.sidecar.log_format import FAILURE_EVENT, SUPPRESSED_EVENT, FailureLines, JsonFormatter, TextFormatter
 from kvobs.wire.decode import read_report, report_files
 
 
@@ -155,7 +155,7 @@ def test_the_sidecars_ingest_logs_each_report_once_across_restarts(tmp_path: Pat
 
 def test_the_bound_is_the_documented_one() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert (f"at most {logs.FAILURE_LINES_BURST} at once, then {logs.FAILURE_LINES_PER_S:g} a second"
+    assert (f"at most {log_format.FAILURE_LINES_BURST} at once, then {log_format.FAILURE_LINES_PER_S:g} a second"
             in " ".join(readme.split()))
 
 

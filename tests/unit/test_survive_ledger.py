@@ -1,4 +1,4 @@
-"""RecomputeLedger: survive mode's counts, and its alarm when recomputes keep happening (kvobs/survive.py)."""
+"""RecomputeLedger: survive mode's counts, and its alarm when recomputes keep happening (kvobs/recompute_ledger.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvobs.survive import ALARM_WINDOW_S, RecomputeLedger
+from kvobs.recompute_ledger import ALARM_WINDOW_S, RecomputeLedger
 
 
 def test_more_recomputes_than_the_limit_within_an_hour_raise_one_alarm(caplog: pytest.LogCaptureFixture) -> None:

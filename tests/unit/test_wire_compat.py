@@ -115,7 +115,7 @@ def test_todays_sidecar_resumes_from_a_v0_1_0_checkpoint(tmp_path: Path) -> None
 def test_the_v0_1_0_sidecar_reads_todays_engine_as_todays_sidecar_does(kvobs_0_1_0: Path, tmp_path: Path) -> None:
     """Today's engine on vLLM's real scheduler, connector and managers (the demo's CPU engine: coverage
     mismatches, capacity evictions); both sidecars export the same series from its journal and reports."""
-    from kvobs.demo.workload import CPU_ENGINE, Workload, run_engine
+    from demo.workload import CPU_ENGINE, Workload, run_engine
 
     failed: list[str] = []
     run = run_engine(CPU_ENGINE, Workload(requests=80, seed=5), str(tmp_path / "kvobs"), lambda _: None,

@@ -3,8 +3,9 @@
 Why: kvobs must be tested against the way vLLM actually calls an ``OffloadingManager``
 (lookup pass, one ``prepare_load`` per request, stores and ``on_schedule_end`` in
 ``build_connector_meta``, completions in ``update_connector_output``). This module builds the
-real config objects, the real spec (``OffloadingSpecFactory``) and the real connector scheduler,
-and plays the part of ``vllm.v1.core.sched.scheduler.Scheduler`` for the connector hooks.
+real config objects (kvobs/vllm/modelless_config.py, which ``kvobs doctor`` builds from too), the
+real spec (``OffloadingSpecFactory``) and the real connector scheduler, and plays the part of
+``vllm.v1.core.sched.scheduler.Scheduler`` for the connector hooks.
 
 What is real: ``VllmConfig`` (model-less), ``KVCacheConfig`` / ``FullAttentionSpec`` /
 ``SlidingWindowSpec``, vLLM's ``build_offloading_config``, the spec and its manager (including
@@ -13,8 +14,8 @@ the tiering manager, its ``/dev/shm`` region and the in-memory "example" seconda
 ``KVConnectorOutput``.
 
 What is not: the few ``ModelConfig`` members that ``build_offloading_config`` reads (see
-``_ModelFacts``), GPU block allocation (a counter, ids never reused; block 0 is vLLM's null
-block), and the worker side, whose only effect on the scheduler is the job-completion report
+``kvobs.vllm.modelless_config.ModelFacts``), GPU block allocation (a counter, ids never reused; block 0
+is vLLM's null block), and the worker side, whose only effect on the scheduler is the job-completion report
 sent by ``EngineStepDriver.report_worker_jobs``.
 
 Used by ``kvobs demo`` and by the integration tests. A failed ``prepare_load`` kills vLLM's
@@ -31,16 +32,12 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+from vllm.config import CacheConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
     TransferStats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-    build_offloading_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
@@ -54,12 +51,7 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
 )
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from vllm.v1.kv_offload.base import OffloadingSpec, OffloadKey, make_offload_key
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -67,120 +59,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvobs.vllm import compat
-
-BLOCK_SIZE = 16
-"""Tokens per GPU block, per block hash and (blocks_per_chunk=1) per offloaded chunk."""
-SLIDING_WINDOW = 32
-"""Tokens; a 2-chunk window, so a sliding-window hit needs 2 consecutive chunk hits."""
-FA_GROUP = 0
-"""KV cache group of the full-attention layer (group order as in kv_cache_groups)."""
-SW_GROUP = 1
-"""KV cache group of the sliding-window layer (hybrid configs only)."""
-
-_NUM_KV_HEADS = 2
-_HEAD_SIZE = 8
-_DTYPE = torch.float16
-
-
-@dataclass(frozen=True)
-class _ModelFacts:
-    """Stand-in for ``ModelConfig``, passed only to ``build_offloading_config``.
-
-    A real ``ModelConfig`` needs an HF ``config.json`` and inspects the model class by importing
-    it, which pulls GPU-only dependencies this CPU venv does not have (and the hub is
-    unreachable). ``build_offloading_config`` reads exactly these members; the scheduler itself
-    never reads ``model_config``.
-    """
-
-    model: str = "kvobs/cpu-harness"
-    dtype: torch.dtype = _DTYPE
-    max_model_len: int = 4096
-    use_mla: bool = False
-
-    def get_total_num_kv_heads(self) -> int:
-        return _NUM_KV_HEADS
-
-
-class _WithModelFacts:
-    """Read-through view of a ``VllmConfig`` whose ``model_config`` is ``_ModelFacts``."""
-
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        self._vllm_config = vllm_config
-        self.model_config = _ModelFacts()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._vllm_config, name)
-
-
-def make_kv_cache_config(
-    *,
-    hybrid: bool,
-    num_full_groups: int = 1,
-    num_sliding_groups: int = 1,
-    extra_retained_tokens: int = 0,
-    num_gpu_blocks: int = 4096,
-) -> KVCacheConfig:
-    """``num_full_groups`` full-attention groups, then ``num_sliding_groups`` sliding-window groups
-    when ``hybrid`` (a Gemma-style model: one full-attention group, five sliding-window ones).
-
-    Same block size in every group, as vLLM's hybrid allocator produces. No ``kv_cache_tensors``:
-    the per-block byte size then comes from the group page sizes. ``extra_retained_tokens`` is
-    the sliding-window spec's own (MTP retained history; vLLM < 0.31's connector ignores it).
-    """
-    groups = [
-        KVCacheGroupSpec(
-            [f"model.layers.{i}.self_attn"],
-            FullAttentionSpec(
-                block_size=BLOCK_SIZE,
-                num_kv_heads=_NUM_KV_HEADS,
-                head_size=_HEAD_SIZE,
-                dtype=_DTYPE,
-            ),
-        )
-        for i in range(num_full_groups)
-    ]
-    if hybrid:
-        window: dict[str, Any] = {"extra_retained_tokens": extra_retained_tokens} if extra_retained_tokens else {}
-        groups.extend(
-            KVCacheGroupSpec(
-                [f"model.layers.{num_full_groups + i}.self_attn"],
-                SlidingWindowSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=_NUM_KV_HEADS,
-                    head_size=_HEAD_SIZE,
-                    dtype=_DTYPE,
-                    sliding_window=SLIDING_WINDOW,
-                    **window,
-                ),
-            )
-            for i in range(num_sliding_groups)
-        )
-    return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def make_vllm_config(extra_config: Mapping[str, Any]) -> VllmConfig:
-    """A model-less CPU ``VllmConfig`` with the OffloadingConnector configured.
-
-    Prefix caching on and ``prefix_cache_retention_interval`` left at its default (0), as in
-    ``vllm serve``; the latter decides which sliding-window chunks get stored.
-    """
-    return VllmConfig(
-        device_config=DeviceConfig("cpu"),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra_config),
-        ),
-    )
-
-
-def make_offloading_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> OffloadingConfig:
-    """vLLM's own ``build_offloading_config`` (as ``OffloadingConnector.__init__`` calls it)."""
-    return build_offloading_config(
-        _WithModelFacts(vllm_config),  # type: ignore[arg-type]
-        kv_cache_config,
-    )
+from kvobs.vllm.modelless_config import BLOCK_SIZE, make_kv_cache_config, make_offloading_config, make_vllm_config
 
 
 def cpu_bytes_for_chunks(offloading_config: OffloadingConfig, num_chunks: int) -> int:

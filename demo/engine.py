@@ -7,7 +7,9 @@ console script asks for a distribution named ``vllm``) and imports nothing of vL
 
 What is real: vLLM's API server, EngineCore and worker processes, its scheduler, the offloading
 connector, the managers, cache policies and tiers, vLLM's logging and metrics, kvobs inside them.
-The one stand-in: the transfer worker (kvobs/vllm/cpu_worker.py), because vLLM's copies with CUDA.
+The one stand-in: the transfer worker (demo/cpu_worker.py), because vLLM's copies with CUDA. The
+engine imports it, and kvobs, from this checkout (``CHECKOUT`` on its PYTHONPATH): neither needs installing
+in the engine's venv.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from demo.tiny_model import corpus
 from kvobs.children import start_child
-from kvobs.demo.tiny_model import corpus
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 MAX_MODEL_LEN = 1024
@@ -40,9 +42,13 @@ recurring documents (~70) and two rounds of its one-off ones (~60) but not three
 evicts. vLLM 0.30's LRU keeps store order (a hit does not refresh a chunk): a tier smaller than the
 recurring set would evict each document just before it comes back, and nothing would load."""
 STARTUP_TIMEOUT_S = 300.0
-COPY_WORKER_MODULE = "kvobs.vllm.cpu_worker"
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The source checkout this demo package is in: on every engine's PYTHONPATH (``VllmServer.environment``), so
+that vLLM's processes import the stand-in worker (``demo.cpu_worker``, never in the wheel), the defects and
+the checkout's kvobs."""
+COPY_WORKER_MODULE = "demo.cpu_worker"
 DEFECT_TRIGGER_ENV = "KVOBS_DEFECT_TRIGGER"
-"""The file that arms kvobs/demo/defects.py's injected defect; it is renamed with DEFECT_FIRED_SUFFIX when it fires."""
+"""The file that arms demo/defects.py's injected defect; it is renamed with DEFECT_FIRED_SUFFIX when it fires."""
 DEFECT_FIRED_SUFFIX = ".fired"
 
 
@@ -119,7 +125,8 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        paths = [str(p) for p in self.python_path] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [str(p) for p in (*self.python_path, CHECKOUT)]
+        paths = list(dict.fromkeys([*paths, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]))
         env.update(
             PYTHONPATH=os.pathsep.join(paths),
             VLLM_CPU_KVCACHE_SPACE="1",  # GiB; num_gpu_blocks_override then sizes the cache actually used

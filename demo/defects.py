@@ -1,9 +1,9 @@
 """A defect injected into a real engine's offload manager, for ``kvobs demo --serve`` and tests/engine.
 
 Never configure it in production: it exists to make a real ``vllm serve`` die the way vLLM #50014
-kills engines, on demand (loaded by vLLM as kvobs's inner spec, ``kvobs.demo.defects``).
+kills engines, on demand (loaded by vLLM as kvobs's inner spec, ``demo.defects``).
 
-``LookupEvictsSpec`` is kvobs's CPU copy spec (vLLM's ``CPUOffloadingSpec``, kvobs/vllm/cpu_worker.py)
+``LookupEvictsSpec`` is kvobs's CPU copy spec (vLLM's ``CPUOffloadingSpec``, demo/cpu_worker.py)
 whose manager, once armed, does what a tiering promotion does inside ``lookup()`` in vLLM #50014: in
 the lookup after the one that reported a chunk as a HIT, it stores new chunks, and the capacity
 evictions of those stores remove the chunk the request was just promised. The connector then asks
@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
-from kvobs.demo.engine import DEFECT_FIRED_SUFFIX, DEFECT_TRIGGER_ENV
-from kvobs.vllm.cpu_worker import CPUCopyOffloadingSpec
+from demo.cpu_worker import CPUCopyOffloadingSpec
+from demo.engine import DEFECT_FIRED_SUFFIX, DEFECT_TRIGGER_ENV
 from kvobs.vllm.spec import ObservedOffloadingSpec
 
 TRIGGER_ENV, FIRED_SUFFIX = DEFECT_TRIGGER_ENV, DEFECT_FIRED_SUFFIX

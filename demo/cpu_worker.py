@@ -12,8 +12,9 @@ layout vLLM's worker uses (``CPUOffloadingWorker``'s direct layout: one offload 
 KV that was stored, which the tests prove by comparing greedy outputs.
 
 Plug it in as the inner spec (``"inner_spec": "CPUCopyOffloadingSpec", "inner_spec_module_path":
-"kvobs.vllm.cpu_worker"``) or, without kvobs, as ``spec_name``/``spec_module_path`` directly.
-It is not for production: on a GPU use vLLM's own specs.
+"demo.cpu_worker"``) or, without kvobs, as ``spec_name``/``spec_module_path`` directly, with the
+repository root on the engine's PYTHONPATH (demo/engine.py's ``VllmServer`` puts it there).
+It is not for production, and not in the wheel: on a GPU use vLLM's own specs.
 """
 
 from __future__ import annotations

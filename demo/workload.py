@@ -2,7 +2,7 @@
 
 Each demo engine is a hybrid model (full-attention KV groups plus sliding-window groups)
 served through the real ``OffloadingConnectorScheduler`` and the ``ObservedOffloadingSpec``
-plugin built by vLLM's own factory; ``kvobs.demo.driver`` plays the engine's scheduler and
+plugin built by vLLM's own factory; ``demo.driver`` plays the engine's scheduler and
 workers. Traffic: multi-turn chats on shared system prompts and questions on shared documents,
 under eviction pressure. The defect classes then happen the way they do in production:
 
@@ -32,9 +32,8 @@ from typing import Any
 
 from vllm.v1.request import Request
 
-from kvobs.codes import read_back_share
-from kvobs.demo.driver import BLOCK_SIZE, EngineStepDriver, build_scheduler, make_request
-from kvobs.demo.incidents import (
+from demo.driver import EngineStepDriver, build_scheduler, make_request
+from demo.incidents import (
     DOCUMENT_TOKENS,
     FILLER_TOKENS,
     MTP_RETAINED_TOKENS,
@@ -42,7 +41,9 @@ from kvobs.demo.incidents import (
     promotion_after_deferral,
     promotion_evicts_hit,
 )
+from kvobs.codes import read_back_share
 from kvobs.vllm.manager import ObservedOffloadingManager
+from kvobs.vllm.modelless_config import BLOCK_SIZE
 
 MAX_PROMPT_TOKENS = 512
 
@@ -62,7 +63,7 @@ class EngineSetup:
     """Injected: sliding-window history the simulated allocator keeps beyond what the connector knows."""
     fs_tier: bool = False
     incident: str = ""
-    """``promotion_evicts_hit`` or ``promotion_after_deferral`` (kvobs/demo/incidents.py), or none."""
+    """``promotion_evicts_hit`` or ``promotion_after_deferral`` (demo/incidents.py), or none."""
     fails_from: tuple[int, int] = (0, 0)
     fails_until: tuple[int, int] = (99, 0)
     """The releases (major, minor) on which the incident fails (found by search; docs/vllm.md)."""

@@ -2,8 +2,12 @@
 
 Starts the sidecar, serves traffic through the real ``OffloadingConnectorScheduler`` and the
 ``ObservedOffloadingSpec`` plugin on three engines (a CPU spec; tiering with vLLM's file tier, twice; see
-``kvobs.demo.workload`` for what happens there and what is injected), prints each
+``demo.workload`` for what happens there and what is injected), prints each
 explanatory message as it happens, and ends with a summary and where to look.
+
+The ``demo`` package is the source repository's, not the wheel's: it holds the demo, its injected defects
+(``demo.defects``) and the stand-in CPU transfer worker (``demo.cpu_worker``). ``kvobs demo`` (kvobs/cli.py)
+finds it beside the kvobs it runs; from the wheel it says to run ``make demo`` in a clone.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from kvobs.wire.format import FAILURES_DIR, report_time_ms
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvobs.demo.workload import EngineRun, EngineSetup, Workload
+    from demo.workload import EngineRun, EngineSetup, Workload
 
 WIDTH = 100
 
@@ -82,7 +86,7 @@ class Console:
 
 
 def _engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
-    from kvobs.demo.workload import CPU_ENGINE, INCIDENT_ENGINE, PRODUCTION_ENGINE
+    from demo.workload import CPU_ENGINE, INCIDENT_ENGINE, PRODUCTION_ENGINE
 
     return [CPU_ENGINE] if args.no_tiering else [CPU_ENGINE, PRODUCTION_ENGINE, INCIDENT_ENGINE]
 
@@ -184,7 +188,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         with stops_deferred():  # a stop signal during these imports ends the demo after them
             from vllm import __version__ as vllm_version
 
-            from kvobs.demo.workload import Workload
+            from demo.workload import Workload
 
         # The demo prints each message itself; vLLM's own warnings (e.g. a prompt too long to
         # store in the small CPU tier) would bury them. After the import: vLLM sets its level then.
@@ -226,7 +230,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_one(setup: EngineSetup, workload: Workload, directory: Path, console: Console,
              demo_log: DemoLog) -> EngineRun:
-    from kvobs.demo.workload import run_engine
+    from demo.workload import run_engine
     console.line(f"\n[{setup.engine}] {setup.describe()}")
     if setup.allocator_retained_tokens:
         console.line(textwrap.fill(
@@ -273,7 +277,7 @@ def _releases_text(setup: EngineSetup) -> str:
 
 
 def _summary(console: Console, runs: list[EngineRun], url: str, directory: Path, before: dict[str, float]) -> None:
-    from kvobs.demo.workload import READ_BACK_LABEL
+    from demo.workload import READ_BACK_LABEL
 
     console.line("\nsummary")
     for run in runs:
@@ -354,7 +358,7 @@ class DemoLog:
             self.file.flush()
 
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 """The Grafana dashboards of a source checkout (the wheel ships none: kvobs/assets.py may)."""
 
 
