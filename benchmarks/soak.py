@@ -15,7 +15,7 @@ EngineCore, workers), the sidecar's RSS, the size of the kvobs directory and of 
 counters of both ends. At the end (benchmarks/soak_checks.py for the slope test), it checks:
 
 * kvobs's EngineCore + worker RSS within ``--rss-margin-mib`` of the bare engine's (medians after
-  warm-up), and flat after warm-up beyond the bare engine's growth (a least-squares slope, MiB/hour);
+  warm-up), and flat after warm-up beyond the bare engine's growth (a Theil-Sen slope, MiB/hour);
 * the kvobs directory never above its bound (``kvobs.journal.disk_bound`` of the engine's options);
 * the sidecar's RSS flat after warm-up;
 * the sidecar's counters equal vLLM's copies of them (``vllm_metrics``: evicted, near-miss, failure

@@ -22,8 +22,12 @@ near misses and at a failed load; where the history no longer holds it, the caus
 
 Capture, then apply (issue 33). On vLLM's scheduler thread a tap only calls vLLM and appends
 what happened to a bounded buffer (``Recorder.captures``): the call's kind, its keys and request
-context as references, its result, the time. The recording itself (promises, the recent-removals
-memory, serials, near misses, the removal queue, the tier counters' read bits) is done by
+id as references, its result, the time, appended flat (one ``deque.extend``, atomic under the GIL), so
+that no object is made and kept per call: a tuple per capture that held vLLM's request context stayed
+tracked by the garbage collector until applied, and the collections vLLM's own allocations trigger
+walked thousands of them (issue 43; ``benchmarks/isolated.py`` measures it). The recording
+itself (promises, the recent-removals memory, serials, near misses, the removal queue, the tier
+counters' read bits) is done by
 :meth:`Recorder.apply`, which takes captures in the order they were made, so it computes exactly
 what recording inline computed. The observer applies (``Observer.drain``) on kvobs's applier
 thread (kvobs/applier.py) every ``APPLY_EVERY_S`` or when ``CAPTURE_WAKE`` captures wait, on the
@@ -76,16 +80,16 @@ _NUM_REASONS: int = len(REASONS)
 _REASON_BITS: int = REASON_BITS
 
 # What a capture is (its first item; Recorder.apply takes each kind apart):
-_LOOKUP = 0  # (_LOOKUP, key, req_context, result, monotonic time)
-_LOAD = 1  # (_LOAD, keys, req_context, result): a load that succeeded
-_FINISH = 2  # (_FINISH, req_context)
-_REMOVAL = 3  # (_REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids)
-_EVICTED = 4  # (_EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency)
-_CALL = 5  # (_CALL, method name, args, kwargs or None, outcome): a call only the flight recorder keeps
-_SNAPSHOT = 6  # (_SNAPSHOT, state): the manager's state after every call captured before it
-_FLAT = 7  # not a tuple: the int alone, for a call only the flight recorder keeps (Recorder.flight_captured)
-_STAGE_OF_KIND = ("record.lookup", "record.load", "record.finish", "record.removal", "record.removal",
-                  "flight", "flight")
+# A capture is its kind followed by a fixed number of fields, all in one flat deque (Recorder.captures):
+_LOOKUP = 0  # _LOOKUP, key, request id, result, monotonic time
+_LOAD = 1  # _LOAD, keys, request id, result: a load that succeeded
+_FINISH = 2  # _FINISH, request id
+_REMOVAL = 3  # _REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids
+_EVICTED = 4  # _EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency
+_CALL = 5  # _CALL, method name, args, kwargs or None, outcome: a call only the flight recorder keeps
+_SNAPSHOT = 6  # _SNAPSHOT, state: the manager's state after every call captured before it
+_FLAT = 7  # _FLAT alone: a call only the flight recorder keeps, its parts in Recorder.flight_items
+_FLAT_CAPTURE = (_FLAT,)
 _NEVER = 1 << 62
 _CALL_BYTES = 24  # a call's columns (method reference, request, outcome, key end) and list growth
 _REF_BYTES = 6  # a key reference (an array item and its growth)
@@ -364,26 +368,33 @@ class FlightSegment:
         return len(self.methods)
 
     def add(self, item: tuple[Any, ...]) -> bool:
-        """Record the call a capture stands for; True once the segment is over its budget."""
-        kind: int = item[0]
+        """Record the call a capture tuple, its kind then its fields, stands for (a failed load's, which
+        kvobs.vllm.flight_recorder adds last); True once the segment is over its budget."""
+        fields = (*item[1:], None, None, None, None)
+        return self.add_fields(item[0], fields[0], fields[1], fields[2], fields[3])
+
+    def add_fields(self, kind: int, first: Any, second: Any, third: Any, fourth: Any) -> bool:
+        """Record an applied call from its capture's fields: ``_LOOKUP`` key, request id, result; ``_LOAD``
+        keys, request id; ``_FINISH`` request id (second); ``_CALL`` name, args, kwargs, outcome. True once
+        the segment is over its budget."""
         if kind == _LOOKUP:
-            self._call("lookup", item[2].req_id, item[3])
-            self._key(item[1])
+            self._call("lookup", second, third)
+            self._key(first)
         elif kind == _LOAD:
-            self._call("prepare_load", item[2].req_id, True)
-            for key in item[1]:
+            self._call("prepare_load", second, True)
+            for key in first:
                 self._key(key)
         elif kind == _FINISH:
-            self._call("on_request_finished", item[1].req_id, None)
+            self._call("on_request_finished", second, None)
         elif kind == _CALL:
-            name: str = item[1]
-            args: tuple[Any, ...] = item[2]
+            name: str = first
+            args: tuple[Any, ...] = second
             roles = self._roles.get(name, ())
             req_id: str | None = None
             for position in range(len(args)):
                 if position < len(roles) and roles[position] == "req":
                     req_id = args[position].req_id
-            self._call(name, req_id, item[4])
+            self._call(name, req_id, fourth)
             for position in range(len(args)):
                 role = roles[position] if position < len(roles) else ""
                 value = args[position]
@@ -394,8 +405,8 @@ class FlightSegment:
                     self._key(value)
                 elif role != "req":
                     self._extra(position, value)
-            if item[3]:
-                self._extra(-1, dict(item[3]))
+            if third:
+                self._extra(-1, dict(third))
         else:
             return False
         self.key_ends.append(len(self.key_refs))
@@ -490,9 +501,12 @@ class Recorder:
         self._on_backlog = on_backlog
         self._drain_keys = drain_keys
         self._drain_batches = drain_batches
-        # A deque: appends from any thread and popleft() by the applier never lose one (a list swapped
-        # under a Python-form capture could).
+        # Flat: each capture is its kind and then its fields (the ``_LOOKUP``... table above), added by one
+        # extend, which no other thread's append can split; popleft() by the applier never loses one.
         self.captures: deque[Any] = deque()
+        self._extend: Callable[[tuple[Any, ...]], None] = self.captures.extend  # read once: compiled, a lookup a call
+        self._made = 0  # captures made (on vLLM's threads)
+        self._applied = 0  # captures applied (one thread at a time: the observer's drain lock)
         # A call only the flight recorder keeps is captured flat: its method, request id, outcome and key count
         # here, its keys in ``flight_keys``, and ``_FLAT`` alone in ``captures`` to keep its place. No object is
         # made or kept alive per call, so none has to be collected (docs/performance.md, issue 32).
@@ -576,24 +590,25 @@ class Recorder:
 
     @property
     def captured(self) -> int:
-        """Captures not yet applied."""
-        return len(self.captures)
+        """Captures not yet applied (two threads capturing at once may lose a count: then it reads low)."""
+        waiting = self._made - self._applied
+        return waiting if waiting > 0 and self.captures else 0
 
     # -- capture and apply ----------------------------------------------------------------
 
-    def capture(self, item: Any) -> None:
-        """Append one capture (the only recording a tap does on the caller's thread). Never raises
-        kvobs's own faults; at the buffer's limit it applies the buffer here first."""
-        captures = self.captures
-        captures.append(item)
-        waiting = len(captures)
+    def capture(self, fields: tuple[Any, ...]) -> None:
+        """Append one capture, its kind then its fields (the only recording a tap does on the caller's
+        thread). Never raises kvobs's own faults; at the buffer's limit it applies the buffer here."""
+        self._extend(fields)
+        self._made += 1
+        waiting = self._made - self._applied
         if waiting >= self._capture_wake:
             self._backlogged(waiting)
 
-    def call_captured(self, item: Any) -> None:
+    def call_captured(self, fields: tuple[Any, ...]) -> None:
         """Capture a manager call that just returned (a boundary between calls: where the flight
         recorder may snapshot the manager's state)."""
-        self.capture(item)
+        self.capture(fields)
         self._flight_left -= 1
         if self._flight_left <= 0:
             self.roll()
@@ -615,7 +630,7 @@ class Recorder:
             self.on_error("flight", exc)
             self.flight_off()
             return
-        self.call_captured(_FLAT)
+        self.call_captured(_FLAT_CAPTURE)
 
     def flight_on(self, on_snapshot: Callable[[bytes], None], snapshot: Callable[[], bytes | None],
                   segment: int) -> None:
@@ -684,48 +699,81 @@ class Recorder:
         """Apply up to ``budget`` captures, oldest first; how many. One thread at a time (the observer
         holds its drain lock): each capture is applied to the state every earlier one left, as
         recording inline did. A capture that faults is counted under its stage and skipped."""
-        captures = self.captures
+        pop = self.captures.popleft
         done = 0
         while done < budget:
             try:
-                item = captures.popleft()
+                kind: int = pop()
             except IndexError:
                 break
             done += 1
-            if isinstance(item, int):  # _FLAT: a call only the flight recorder keeps, its parts in order
-                self._apply_flat()
-                continue
-            kind: int = item[0]
-            try:
-                if kind == _LOOKUP:
-                    self._apply_lookup(item[1], item[2], item[3], item[4])
-                elif kind == _LOAD:
-                    self._apply_load(item[1], item[2], item[3])
-                elif kind == _FINISH:
-                    self.promises.finished(item[1].req_id)
-                elif kind == _CALL:
-                    pass  # the flight recorder's alone
-                elif kind == _SNAPSHOT:
-                    on_snapshot = self.flight
-                    if on_snapshot is not None:
-                        on_snapshot(item[1])
-                    continue
-                elif kind == _EVICTED:
-                    pairs = item[1]
-                    self._apply_removal([key for key, _ in pairs], CAPACITY, item[5], item[2], item[3], item[4],
-                                        False, [chunk.chunk_id for _, chunk in pairs])
-                else:
-                    self._apply_removal(item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8])
-            except Exception as exc:
-                self.on_error(_STAGE_OF_KIND[kind] if 0 <= kind < len(_STAGE_OF_KIND) else "record.removal", exc)
-            segment = self.flight_segment
-            if segment is not None and kind != _REMOVAL and kind != _EVICTED:
+            # Every field is taken before anything is applied: a fault never leaves the next capture misaligned.
+            if kind == _LOOKUP:
+                key, req_id, result, now = pop(), pop(), pop(), pop()
                 try:
-                    if segment.add(item):
-                        self._flight_over(segment)
+                    self._apply_lookup(key, req_id, result, now)
                 except Exception as exc:
-                    self.on_error("flight", exc)
+                    self.on_error("record.lookup", exc)
+                segment = self.flight_segment
+                if segment is not None:
+                    self._flight_add(segment, _LOOKUP, key, req_id, result, None)
+            elif kind == _LOAD:
+                keys, req_id, result = pop(), pop(), pop()
+                try:
+                    self._apply_load(keys, req_id, result)
+                except Exception as exc:
+                    self.on_error("record.load", exc)
+                segment = self.flight_segment
+                if segment is not None:
+                    self._flight_add(segment, _LOAD, keys, req_id, True, None)
+            elif kind == _FINISH:
+                req_id = pop()
+                try:
+                    self.promises.finished(req_id)
+                except Exception as exc:
+                    self.on_error("record.finish", exc)
+                segment = self.flight_segment
+                if segment is not None:
+                    self._flight_add(segment, _FINISH, None, req_id, None, None)
+            elif kind == _EVICTED:
+                pairs, now, path, req_id, residency = pop(), pop(), pop(), pop(), pop()
+                try:
+                    self._apply_removal([key for key, _ in pairs], CAPACITY, residency, now, path, req_id, False,
+                                        [chunk.chunk_id for _, chunk in pairs])
+                except Exception as exc:
+                    self.on_error("record.removal", exc)
+            elif kind == _REMOVAL:
+                keys, reason, residency, now = pop(), pop(), pop(), pop()
+                path, req_id, unlisted, chunk_ids = pop(), pop(), pop(), pop()
+                try:
+                    self._apply_removal(keys, reason, residency, now, path, req_id, unlisted, chunk_ids)
+                except Exception as exc:
+                    self.on_error("record.removal", exc)
+            elif kind == _FLAT:  # a call only the flight recorder keeps, its parts in order
+                self._apply_flat()
+            elif kind == _CALL:
+                name, args, kwargs, outcome = pop(), pop(), pop(), pop()
+                segment = self.flight_segment
+                if segment is not None:
+                    self._flight_add(segment, _CALL, name, args, kwargs, outcome)
+            elif kind == _SNAPSHOT:
+                state = pop()
+                on_snapshot = self.flight
+                if on_snapshot is not None:
+                    try:
+                        on_snapshot(state)
+                    except Exception as exc:
+                        self.on_error("flight", exc)
+        self._applied += done
         return done
+
+    def _flight_add(self, segment: FlightSegment, kind: int, first: Any, second: Any, third: Any, fourth: Any) -> None:
+        """An applied call into the flight recorder's segment (:meth:`FlightSegment.add_fields`)."""
+        try:
+            if segment.add_fields(kind, first, second, third, fourth):
+                self._flight_over(segment)
+        except Exception as exc:
+            self.on_error("flight", exc)
 
     def _flight_over(self, segment: FlightSegment) -> None:
         """``segment`` crossed its budget: the flight recorder's window decides (``flight_over``: a snapshot
@@ -751,8 +799,7 @@ class Recorder:
         except Exception as exc:
             self.on_error("flight", exc)
 
-    def _apply_lookup(self, key: bytes, req_context: Any, result: object, now: float) -> None:
-        req_id = req_context.req_id
+    def _apply_lookup(self, key: bytes, req_id: str, result: object, now: float) -> None:
         if result is self.hit:
             self.promises.reported(req_id, key, self._code, now)
         elif result is self.hit_pending:
@@ -760,16 +807,15 @@ class Recorder:
         else:
             self.promises.not_reported(req_id, key)
 
-    def _apply_load(self, keys: Any, req_context: Any, result: Any) -> None:
+    def _apply_load(self, keys: Any, req_id: str, result: Any) -> None:
         try:
-            self.redeem(keys, req_context)
+            self.redeem(keys, req_id)
         except Exception as exc:  # the load still counts
             self.on_error("record.load", exc)
         self.mark_loaded(len(keys), result)
 
-    def redeem(self, keys: Any, req_context: Any) -> None:
+    def redeem(self, keys: Any, req_id: str) -> None:
         """A load's near misses, the one place they are redeemed, whether the load succeeded or not."""
-        req_id = req_context.req_id
         broken = self.promises.redeemed(req_id, keys, self.recent, self._serial)
         if broken and self._on_near is not None:
             self._on_near(req_id, broken)
@@ -1019,7 +1065,12 @@ class LookupTap:
             result = self.inner(key, req_context)
         else:
             result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
-        rec.call_captured((_LOOKUP, key, req_context, result, monotonic()))
+        try:
+            req_id = req_context.req_id
+        except Exception as exc:  # not a request context kvobs knows: nothing to capture, vLLM's answer stands
+            rec.on_error("record.lookup", exc)
+            return result
+        rec.call_captured((_LOOKUP, key, req_id, result, monotonic()))
         return result
 
 
@@ -1089,7 +1140,12 @@ class RequestTap:
             rec.frame = before
         if rec.flight_calls:
             rec.flight_live.pop(req_context.req_id, None)
-        rec.call_captured((_FINISH, req_context))
+        try:
+            req_id = req_context.req_id
+        except Exception as exc:
+            rec.on_error("record.finish", exc)
+            return result
+        rec.call_captured((_FINISH, req_id))
         return result
 
 
@@ -1206,7 +1262,7 @@ class LoadTap:
             rec = self.rec
             rec.apply_now("diagnosis")  # the diagnosis reads the evidence of every call before this one
             try:
-                rec.redeem(keys, req_context)  # before the diagnosis, which counts these near misses too
+                rec.redeem(keys, req_context.req_id)  # before the diagnosis, which counts these near misses too
             except Exception as fault:
                 rec.on_error("record.load", fault)
             instead: object = None
@@ -1217,7 +1273,13 @@ class LoadTap:
             if instead is None:
                 raise
             return instead  # survive mode's decision, made once, in the failure callback
-        self.rec.call_captured((_LOAD, keys, req_context, result))
+        rec = self.rec
+        try:
+            req_id = req_context.req_id
+        except Exception as exc:
+            rec.on_error("record.load", exc)
+            return result
+        rec.call_captured((_LOAD, keys, req_id, result))
         return result
 
 

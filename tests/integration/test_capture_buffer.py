@@ -9,11 +9,13 @@ the traffic.
 
 from __future__ import annotations
 
+import gc
 import random
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
@@ -21,7 +23,7 @@ from vllm.v1.kv_offload.base import LookupResult
 from kvobs.applier import APPLIER
 from kvobs.vllm import ObservedOffloadingManager
 from tests.support.causes import END, ctx, failed_load, observed, store
-from tests.support.vllm_env import cpu_extra, key
+from tests.support.vllm_env import cpu_extra, create_manager, key
 
 CHUNKS = 8
 POOL = 40
@@ -149,3 +151,35 @@ def test_the_applier_thread_racing_the_traffic_records_what_inline_recording_did
         time.sleep(0.01)
     assert m.observer.applier_cpu_s > 0  # the thread applied (some of) it
     assert evidence(m) == evidence(twin)
+
+
+def test_pending_captures_leave_the_garbage_collector_nothing_to_walk(
+    managers: list, no_applier_thread: Callable[[ObservedOffloadingManager], None]
+) -> None:
+    """A capture is appended flat, its fields into one deque (issue 43): thousands of lookups, loads and finishes
+    waiting to be applied add no object the collector tracks, where a tuple per capture that held vLLM's request
+    context added one each (and the collections vLLM's own allocations trigger walked them)."""
+    young: dict[str, int] = {}
+    calls = 3000
+    for side in ("bare", "observed"):
+        m: Any = create_manager(cpu_extra(CHUNKS)) if side == "bare" else observed(managers, cpu_extra(CHUNKS))
+        if side == "observed":
+            no_applier_thread(m)
+        contexts = [ctx(m, f"req-{i}") for i in range(calls // 3)]
+        store(m, [key(1)], contexts[0])
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects(generation=0))
+            for context in contexts:
+                assert m.lookup(key(1), context) is LookupResult.HIT
+                assert m.lookup(key(2), context) is LookupResult.MISS
+                m.on_request_finished(context)
+            young[side] = len(gc.get_objects(generation=0)) - before
+        finally:
+            gc.enable()
+        if side == "observed":
+            assert m.observer.recorder.captured == calls  # all of them still waiting
+        else:
+            m.shutdown()
+    assert young["observed"] - young["bare"] < calls // 100, young
