@@ -57,8 +57,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from threading import get_ident
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from kvobs.codes import (
     CAPACITY,
@@ -74,26 +73,29 @@ from kvobs.codes import (
     STORE_FAILED,
 )
 
-monotonic = time.monotonic
-_UNKNOWN = float("nan")
-_NUM_REASONS: int = len(REASONS)
-_REASON_BITS: int = REASON_BITS
+monotonic: Final = time.monotonic  # Final: compiled, a static read, not a lookup in the module's dict
+get_ident: Final = threading.get_ident
+# Final, all of these: compiled, a constant is inlined and an object a static read, not a lookup in the
+# module's dict on every use.
+_UNKNOWN: Final = float("nan")
+_NUM_REASONS: Final = len(REASONS)
+_REASON_BITS: Final = REASON_BITS
+_CAPACITY: Final = CAPACITY
 
-# What a capture is (its first item; Recorder.apply takes each kind apart):
 # A capture is its kind followed by a fixed number of fields, all in one flat deque (Recorder.captures):
-_LOOKUP = 0  # _LOOKUP, key, request id, result, monotonic time
-_LOAD = 1  # _LOAD, keys, request id, result: a load that succeeded
-_FINISH = 2  # _FINISH, request id
-_REMOVAL = 3  # _REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids
-_EVICTED = 4  # _EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency
-_CALL = 5  # _CALL, method name, args, kwargs or None, outcome: a call only the flight recorder keeps
-_SNAPSHOT = 6  # _SNAPSHOT, state: the manager's state after every call captured before it
-_FLAT = 7  # _FLAT alone: a call only the flight recorder keeps, its parts in Recorder.flight_items
-_FLAT_CAPTURE = (_FLAT,)
-_NEVER = 1 << 62
-_CALL_BYTES = 24  # a call's columns (method reference, request, outcome, key end) and list growth
-_REF_BYTES = 6  # a key reference (an array item and its growth)
-_KEY_BYTES = 150  # a key or request id first seen in a segment: the object kept, its list and dict entries
+_LOOKUP: Final = 0  # _LOOKUP, key, request id, result, monotonic time
+_LOAD: Final = 1  # _LOAD, keys, request id, result: a load that succeeded
+_FINISH: Final = 2  # _FINISH, request id
+_REMOVAL: Final = 3  # _REMOVAL, keys, reason, residency, time, path, req_id, unlisted, chunk_ids
+_EVICTED: Final = 4  # _EVICTED, [(key, chunk)] as the policy returned it, time, path, req_id, residency
+_CALL: Final = 5  # _CALL, method name, args, kwargs or None, outcome: a call only the flight recorder keeps
+_SNAPSHOT: Final = 6  # _SNAPSHOT, state: the manager's state after every call captured before it
+_FLAT: Final = 7  # _FLAT alone: a call only the flight recorder keeps, its parts in Recorder.flight_items
+_FLAT_CAPTURE: Final = (_FLAT,)
+_NEVER: Final = 1 << 62
+_CALL_BYTES: Final = 24  # a call's columns (method reference, request, outcome, key end) and list growth
+_REF_BYTES: Final = 6  # a key reference (an array item and its growth)
+_KEY_BYTES: Final = 150  # a key or request id first seen in a segment: the object kept, its list and dict entries
 # The capture kinds the flight recorder reads (kvobs/flight.py), under public names.
 LOOKUP = _LOOKUP
 LOAD = _LOAD
@@ -738,7 +740,7 @@ class Recorder:
             elif kind == _EVICTED:
                 pairs, now, path, req_id, residency = pop(), pop(), pop(), pop(), pop()
                 try:
-                    self._apply_removal([key for key, _ in pairs], CAPACITY, residency, now, path, req_id, False,
+                    self._apply_removal([key for key, _ in pairs], _CAPACITY, residency, now, path, req_id, False,
                                         [chunk.chunk_id for _, chunk in pairs])
                 except Exception as exc:
                     self.on_error("record.removal", exc)
@@ -1039,7 +1041,7 @@ class Recorder:
 # sees exactly what the caller passed and raises what it would raise; kvobs.vllm.compat checks that
 # vLLM's methods take these parameters.
 
-_ABSENT: Any = object()
+_ABSENT: Final[Any] = object()
 
 
 class LookupTap:
