@@ -181,6 +181,7 @@ serve-demo: $(STAMP) .venv-cpu-0.32.0/.kvobs-installed
 # kvobs against its baselines (overhead, history, sidecar); a few minutes; results also in bench-results/.
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --json bench-results/overhead.json
+	$(PY) -m benchmarks.isolated --json bench-results/isolated.json
 	$(PY) -m benchmarks.overhead_connector --json bench-results/overhead_connector.json
 	$(PY) -m benchmarks.history --json bench-results/history.json
 	$(PY) -m benchmarks.sidecar --json bench-results/sidecar.json

@@ -45,12 +45,15 @@ TARGET_PROCESS = 1.10
 """Process CPU with the journal and the recorder (issue 43)."""
 
 
-def child(side: str, manager: str, workload_name: str, journal_dir: str) -> dict[str, Any]:
+def child(side: str, manager: str, workload_name: str, journal_dir: str, steps: int | None) -> dict[str, Any]:
     """One replay in this process; what it measured."""
     os.environ.pop("KVOBS_DIR", None)
     from benchmarks import overhead
 
-    workload = overhead.Workload(**WORKLOADS[workload_name])
+    knobs = dict(WORKLOADS[workload_name])
+    if steps is not None:
+        knobs["steps"] = steps
+    workload = overhead.Workload(**knobs)
     trace = overhead.record(manager, workload)
     m = overhead.build(trace, side, Path(journal_dir))
     contexts = [overhead.make_context(i, p) for i, p in enumerate(trace.positions)]
@@ -85,10 +88,10 @@ def child(side: str, manager: str, workload_name: str, journal_dir: str) -> dict
             "calls": len(calls), "internal_errors": errors}
 
 
-def run_child(side: str, manager: str, workload: str, journal_dir: Path) -> dict[str, Any]:
+def run_child(side: str, manager: str, workload: str, journal_dir: Path, steps: int | None) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.isolated", "--child", side, "--manager", manager, "--workload", workload,
-         "--journal-dir", str(journal_dir)],
+         "--journal-dir", str(journal_dir), *(["--steps", str(steps)] if steps is not None else [])],
         check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -101,9 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--child", default=None, help=argparse_hidden())
     parser.add_argument("--journal-dir", default=None, help=argparse_hidden())
+    parser.add_argument("--steps", type=int, default=None, help="scheduler steps per replay (default: the workload's)")
     args = parser.parse_args(argv)
+    steps = 40 if args.quick and args.steps is None else args.steps
     if args.child:
-        print(json.dumps(child(args.child, args.manager, args.workload, args.journal_dir)))
+        print(json.dumps(child(args.child, args.manager, args.workload, args.journal_dir, steps)))
         return {}
     runs = args.runs or (1 if args.quick else 7)
     sides = tuple(args.sides.split(","))
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for run in range(runs):
                 order = sides if run % 2 == 0 else sides[::-1]  # alternate to cancel drift
                 for side in order:
-                    got[side].append(run_child(side, args.manager, workload, Path(tmp) / f"{workload}-{side}-{run}"))
+                    got[side].append(run_child(side, args.manager, workload, Path(tmp) / f"{workload}-{side}-{run}",
+                                               steps))
             res: dict[str, Any] = {"replays": got}
             for side in sides:
                 thread = paired_ratios([r["thread_s"] for r in got[side]], [r["thread_s"] for r in got["bare"]])

@@ -17,3 +17,13 @@ def test_overhead_through_the_connector_benchmark_runs() -> None:
 
     results = overhead_connector.main(["--quick", "--managers", "cpu"])
     assert results["cpu"]["requests"] > 0 and results["cpu"]["ratio"] > 0
+
+
+def test_the_isolated_overhead_benchmark_runs() -> None:
+    """benchmarks/isolated.py: each side replayed in a process of its own, the collector on (toy size)."""
+    from benchmarks import isolated
+
+    results = isolated.main(["--quick", "--workload", "prefix", "--sides", "bare,observed,observed+flight"])
+    prefix = results["workloads"]["prefix"]
+    assert all(r["internal_errors"] == 0 and r["calls"] > 100 for side in prefix["replays"].values() for r in side)
+    assert prefix["observed"]["thread_ratio"] > 0 and prefix["bare"]["thread_ratio"] == 1.0
