@@ -50,6 +50,13 @@ CAUSE_OF_REASON: dict[str, str] = {
 """The cause of a missing key whose promise a removal of this reason broke."""
 assert set(CAUSE_OF_REASON) == set(REASONS) and set(CAUSE_OF_REASON.values()) <= set(CAUSES)
 
+EXCEPTION_CAUSES: tuple[str, ...] = ("vllm_assertion", "vllm_exception")
+"""The cause of an exception that left vLLM's offloading code through kvobs's connector (kvobs/vllm/boundary.py):
+an AssertionError, or any other exception. A taxonomy of its own, not :data:`CAUSES` (those are the causes of a
+missing key, and label ``kvobs_load_failures``); the ``cause`` label of ``kvobs_offload_exceptions`` and the
+``cause`` of such a failure report. A failed ``prepare_load`` kvobs explained keeps its :data:`CAUSES` cause."""
+assert not set(EXCEPTION_CAUSES) & set(CAUSES)
+
 STAGES: tuple[str, ...] = (
     "record.removal",
     "record.lookup",
@@ -67,6 +74,7 @@ STAGES: tuple[str, ...] = (
     "survive",
     "record.store",
     "flight",
+    "boundary",
 )
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
 

@@ -43,10 +43,17 @@ from kvobs import forks
 from kvobs.bundles import MAX_BUNDLES, MAX_HEADER_BYTES
 from kvobs.files import held, hold, keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
-from kvobs.observer import SHUTDOWN_WAIT_S, FailureEvent, Sink, Snapshot
+from kvobs.observer import SHUTDOWN_WAIT_S, ExceptionEvent, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
 from kvobs.wire.decode import report_files
-from kvobs.wire.encode import bounded_report, encode_hello, encode_removals, encode_totals, failure_report
+from kvobs.wire.encode import (
+    bounded_report,
+    encode_hello,
+    encode_removals,
+    encode_totals,
+    exception_report,
+    failure_report,
+)
 from kvobs.wire.format import (
     FAILURES_DIR,
     JOURNAL_DIR,
@@ -423,14 +430,25 @@ class JournalSink(Sink):
         if self.forked_from is not None:  # a forked child writes nothing of its own in the parent's name
             self.dropped += 1
             return
-        report = failure_report(event.diagnosis, event.exc, self.writer, time.time(), trace=event.trace)
+        self._write_failure(failure_report(event.diagnosis, event.exc, self.writer, time.time(), trace=event.trace),
+                            event.remaining())
+
+    def on_exception(self, event: ExceptionEvent) -> None:
+        """An exception at the connector's boundary: its report, durably, then the journal drained (bounded)."""
+        if self.forked_from is not None:
+            self.dropped += 1
+            return
+        self._write_failure(exception_report(event.failure, event.exc, self.writer, time.time(), trace=event.trace),
+                            event.remaining())
+
+    def _write_failure(self, report: dict[str, Any], remaining: float) -> None:
         name = self.files.report_name(report)
         try:
             self.files.write_report(name, report)
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.fault("report", fault)
         try:
-            self.flush(timeout=event.remaining(), durable=True)
+            self.flush(timeout=remaining, durable=True)
         except Exception as fault:
             self.fault("journal", fault)
 

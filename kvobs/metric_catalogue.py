@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvobs.codes import CAUSES, DROP_STAGES, REASONS, STAGES, TIERS
+from kvobs.codes import CAUSES, DROP_STAGES, EXCEPTION_CAUSES, REASONS, STAGES, TIERS
 
 ENGINE_LABELS = ("model_name", "engine")
 """vLLM's own identity labels, with vLLM's values: kvobs_* series join vllm:* series on them."""
@@ -52,6 +52,9 @@ class MetricDef(NamedTuple):
     """Where the engine counts it (the place to look when it does not move)."""
     on_vllm: bool = False
     """Also on vLLM's ``/metrics`` with the ``vllm_metrics`` option (kvobs/vllm/vllm_metrics.py)."""
+    sep: str = ""
+    """An engine counter with two labels: its totals map's keys are the first label's value, ``sep`` and the
+    second's (:func:`split_key`); a key without ``sep`` (the pre-initialised ``values``) has the second ""."""
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -124,6 +127,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_recompute_alarms", "counter", (),
               "Times recomputes exceeded the survive_alarm_per_hour option within an hour (logged at ERROR).",
               totals="survive", part="alarms", counted="RecomputeLedger.recomputed (kvobs/recompute_ledger.py)"),
+    MetricDef("kvobs_offload_exceptions", "counter", ("cause", "site"),
+              "Exceptions that left vLLM's offloading code through kvobs's connector, by cause (vllm_assertion, "
+              "vllm_exception) and site (vLLM's file:function; \"\" on the pre-initialised series).",
+              values=EXCEPTION_CAUSES, totals="exceptions", sep=" ",
+              counted="kvobs.vllm.boundary.Boundary.count (kvobs/vllm/boundary.py)"),
     MetricDef("kvobs_build_info", "gauge", ("version", "vllm_version", "hot_path"),
               "kvobs and vLLM versions and the hot path each engine runs (compiled or python)."),
     MetricDef("kvobs_observing", "gauge", ("reason",),
@@ -167,8 +175,16 @@ TOTALS: dict[str, tuple[str, ...]] = {}
 """Totals key -> the label values (or, for counters without labels, the parts) it starts with."""
 for _metric in COUNTED:
     TOTALS[_metric.totals] = (*TOTALS.get(_metric.totals, ()), *((_metric.part,) if _metric.part else _metric.values))
-assert all(m.type == "counter" and (len(m.labels) == 1) != bool(m.part) for m in COUNTED), \
-    "an engine counter has one label, or no label and a part"
+assert all(m.type == "counter" and (len(m.labels) == 1 or (len(m.labels) == 2 and m.sep)) != bool(m.part)
+           for m in COUNTED), "an engine counter has one label (two joined by its sep), or no label and a part"
+
+
+def split_key(metric: MetricDef, key: str) -> list[str]:
+    """A totals map's key as the counter's label values (two for a counter with a ``sep``)."""
+    if not metric.sep:
+        return [key]
+    first, _, second = key.partition(metric.sep)
+    return [first, second]
 
 PARTS = ("dir", "flight_recorder")
 """The ``part`` label of ``kvobs_unavailable``: the parts of kvobs an option asks for that can fail to work."""

@@ -12,12 +12,13 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from kvobs import forks
 from kvobs.applier import APPLIER
+from kvobs.boundary import OffloadException
 from kvobs.codes import APPLY_BATCH, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
@@ -82,6 +83,19 @@ class FailureEvent(NamedTuple):
         return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
 
 
+class ExceptionEvent(NamedTuple):
+    """One exception at the connector's boundary (kvobs/vllm/boundary.py), as every sink receives it."""
+
+    failure: OffloadException
+    exc: BaseException
+    """vLLM's exception, the same object that propagates, unchanged."""
+    trace: tuple[str, str] | None = None
+    deadline: Deadline | None = None
+
+    def remaining(self) -> float:
+        return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
+
+
 class Snapshot(NamedTuple):
     """The engine's counters and its history's reach at one moment, as the observer pushes them to sinks."""
 
@@ -142,6 +156,14 @@ class Sink:
     def on_failure(self, event: FailureEvent) -> None:
         """A load failed (second round); called (and must finish, bounded) before the exception leaves kvobs."""
 
+    def start_exception(self, failure: OffloadException, exc: BaseException,
+                        deadline: Deadline) -> tuple[str, str] | None:
+        """An exception left vLLM's offloading code (first round, as :meth:`start_failure`)."""
+        return None
+
+    def on_exception(self, event: ExceptionEvent) -> None:
+        """An exception left vLLM's offloading code (second round, bounded, before it propagates)."""
+
     def close(self) -> None:
         """Flush and release resources."""
 
@@ -194,6 +216,9 @@ class Observer:
         self._next_stats_at = 0.0
         self.applier_cpu_s = 0.0
         """CPU seconds kvobs's applier thread spent applying this observer's captures (kvobs/applier.py)."""
+        self.explained: deque[BaseException] = deque(maxlen=4)
+        """The latest exceptions a failed load's explanation published: the connector's boundary
+        (kvobs/vllm/boundary.py) reports each of them no second time."""
         self._drain_lock = threading.RLock()
         self._draining = False
         self.forked_from: int | None = None
@@ -520,6 +545,23 @@ class Observer:
                 trace = ids
         event = FailureEvent(diagnosis, exc, trace, deadline)
         self._each_sink(lambda s: s.on_failure(event))
+        return event
+
+    def publish_exception(self, failure: OffloadException, exc: BaseException) -> ExceptionEvent:
+        """As :meth:`publish_failure`, for an exception at the connector's boundary: every sink's
+        :meth:`Sink.start_exception`, then every sink's :meth:`Sink.on_exception`, one deadline."""
+        trace: tuple[str, str] | None = None
+        deadline = Deadline(FAILURE_WAIT_S)
+        for sink in self._sinks:
+            try:
+                ids = sink.start_exception(failure, exc, deadline)
+            except Exception as fault:  # a sink must never break vLLM
+                self.internal_error(sink.stage, fault)
+                continue
+            if trace is None and ids is not None:
+                trace = ids
+        event = ExceptionEvent(failure, exc, trace, deadline)
+        self._each_sink(lambda s: s.on_exception(event))
         return event
 
     def unavailable(self) -> dict[str, bool]:

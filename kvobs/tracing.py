@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -50,14 +50,18 @@ from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvobs.boundary import OffloadException
 from kvobs.diagnosis import Diagnosis
-from kvobs.observer import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, FailureEvent, Sink
+from kvobs.observer import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, ExceptionEvent, FailureEvent, Sink
 from kvobs.wire.format import fit_model_name
 
 logger = logging.getLogger("kvobs")
 
 SPAN_NAME = "kv_offload.prepare_load"
 EVENT_NAME = "kv_offload.missing_chunks"
+EXCEPTION_SPAN_PREFIX = "kv_offload."
+"""An exception at the connector's boundary: one span ``kv_offload.<the connector's method>`` (a bounded set)."""
+SITE_EVENT = "kv_offload.exception_site"
 REQUEST_ID = "gen_ai.request.id"
 """vLLM's own spans' request id attribute (``vllm.tracing.SpanAttributes.GEN_AI_REQUEST_ID``)."""
 REQUEST_MODEL = "gen_ai.request.model"
@@ -163,6 +167,17 @@ def event_attributes(diagnosis: Diagnosis) -> dict[str, Any]:
     return attrs
 
 
+def exception_attributes(failure: OffloadException) -> dict[str, Any]:
+    """The site of an exception at the connector's boundary as OTel attributes."""
+    attrs: dict[str, Any] = {"kv_offload.site": failure.label,
+                             "kv_offload.vllm_version": failure.releases.get("vllm", "")}
+    for prefix, site in (("kv_offload.site.", failure.site), ("kv_offload.raised_at.", failure.raised_at)):
+        if site is not None:
+            attrs.update({prefix + "file": site.file, prefix + "function": site.function,
+                          prefix + "line": site.line, prefix + "expression": site.expression})
+    return attrs
+
+
 class SpanExportTimeout(TimeoutError):
     """The failure span was not exported within the bound (counted as a kvobs fault, never raised to vLLM)."""
 
@@ -171,9 +186,11 @@ class _Emission:
     """One failure's span, emitted on a helper thread that starts, ends and flushes it by itself;
     ``started`` is set once the span's ids are known (or the attempt is over)."""
 
-    def __init__(self, sink: TracingSink, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> None:
+    def __init__(self, sink: TracingSink, diagnosis: Any, exc: BaseException, deadline: Deadline,
+                 emit: Callable[[_Emission], None] | None = None) -> None:
         self.sink = sink
-        self.diagnosis = diagnosis
+        self.diagnosis = diagnosis  # a Diagnosis, or an OffloadException (emit: TracingSink._emit_exception)
+        self.emit = emit
         self.exc = exc
         self.deadline = deadline
         self.started = threading.Event()
@@ -186,7 +203,7 @@ class _Emission:
 
     def _run(self) -> None:
         try:
-            self.sink._emit(self)
+            (self.emit or self.sink._emit)(self)
         except BaseException as fault:  # handed to the failing load's thread by TracingSink.on_failure
             self.errors.append(fault)
         finally:
@@ -220,7 +237,8 @@ class TracingSink(Sink):
                 return self._from_env
         return provider
 
-    def _begin(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> _Emission:
+    def _begin(self, diagnosis: Any, exc: BaseException, deadline: Deadline,
+               emit: Callable[[_Emission], None] | None = None) -> _Emission:
         """This failure's emission, started on first call (by start_failure, or by on_failure)."""
         current = self._current
         if current is not None:
@@ -230,7 +248,7 @@ class TracingSink(Sink):
                 self._straggler = current.thread
         if self._straggler is not None and self._straggler.is_alive():
             raise SpanExportTimeout("the previous failure span is still exporting; this one is skipped")
-        emission = _Emission(self, diagnosis, exc, deadline)
+        emission = _Emission(self, diagnosis, exc, deadline, emit)
         self._current = emission
         emission.thread.start()
         return emission
@@ -246,10 +264,27 @@ class TracingSink(Sink):
         emission.started.wait(emission.remaining())
         return emission.ids
 
+    def start_exception(self, failure: OffloadException, exc: BaseException,
+                        deadline: Deadline) -> tuple[str, str] | None:
+        """As :meth:`start_failure`, for an exception at the connector's boundary."""
+        try:
+            emission = self._begin(failure, exc, deadline, self._emit_exception)
+        except Exception:
+            return None
+        emission.started.wait(emission.remaining())
+        return emission.ids
+
+    def on_exception(self, event: ExceptionEvent) -> None:
+        """As :meth:`on_failure`: the span ``kv_offload.<method>``, exported by the deadline."""
+        self._finish(self._begin(event.failure, event.exc, event.deadline or Deadline(FAILURE_WAIT_S),
+                                 self._emit_exception))
+
     def on_failure(self, event: FailureEvent) -> None:
         """Emit and flush the span on a helper thread (begun by :meth:`start_failure`, else now);
         wait until the failure's deadline, which the other sinks share."""
-        emission = self._begin(event.diagnosis, event.exc, event.deadline or Deadline(FAILURE_WAIT_S))
+        self._finish(self._begin(event.diagnosis, event.exc, event.deadline or Deadline(FAILURE_WAIT_S)))
+
+    def _finish(self, emission: _Emission) -> None:
         self._current = None
         emission.thread.join(emission.remaining())
         if emission.thread.is_alive():
@@ -285,6 +320,40 @@ class TracingSink(Sink):
             span.record_exception(exc, escaped=not diagnosis.failure.recomputed)
             span.add_event(EVENT_NAME, event_attributes(diagnosis))
             span.set_status(Status(StatusCode.ERROR, f"{diagnosis.cause}: {diagnosis.failure.vllm_message[:200]}"))
+        finally:
+            span.end()
+        flush = getattr(provider, "force_flush", None)
+        if flush is not None:
+            flush(int(emission.remaining() * 1000))
+
+    def _emit_exception(self, emission: _Emission) -> None:
+        from kvobs import __version__
+
+        failure: OffloadException = emission.diagnosis
+        provider = self._provider()
+        tracer = provider.get_tracer("kvobs", __version__)
+        span = tracer.start_span(EXCEPTION_SPAN_PREFIX + failure.method, context=Context(),
+                                 kind=trace.SpanKind.INTERNAL)
+        try:
+            context = span.get_span_context()
+            if context.is_valid and context.trace_flags.sampled:
+                emission.ids = (trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id))
+            emission.started.set()
+            span.set_attribute("kv_offload.cause", failure.cause)
+            span.set_attribute(ERROR_TYPE, failure.cause)
+            span.set_attribute("kv_offload.side", failure.side)
+            span.set_attribute("kv_offload.method", failure.method)
+            span.set_attribute("kv_offload.req_ids", [str(r) for r in failure.req_ids[:MAX_SPAN_KEYS]])
+            if failure.req_ids:
+                span.set_attribute(REQUEST_ID, failure.req_ids[0])
+            if self.engine is not None:
+                span.set_attribute(ENGINE, self.engine)
+            if self.model_name:
+                span.set_attribute(REQUEST_MODEL, self.model_name)
+            span.record_exception(emission.exc, escaped=True)
+            span.add_event(SITE_EVENT, exception_attributes(failure))
+            span.set_status(Status(StatusCode.ERROR, f"{failure.cause} at {failure.label}: "
+                                                     f"{failure.vllm_message[:200]}"))
         finally:
             span.end()
         flush = getattr(provider, "force_flush", None)

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from kvobs import __version__
 from kvobs.codes import CAUSES, REASONS
-from kvobs.metric_catalogue import COUNTED, METRIC
+from kvobs.metric_catalogue import COUNTED, METRIC, split_key
 from kvobs.sidecar.ingest import Ingest
 from kvobs.wire.format import OTHER, kept_labels
 from kvobs.wire.histogram import Histogram
@@ -100,7 +100,8 @@ class KvobsCollector(Collector):
                         continue
                     for value in causes if family is failures else _values(metric.values, counts):
                         exemplar = _exemplar(engine.exemplars.get(value)) if family is failures else None
-                        family.add_metric([*identity, value], counts.get(value, 0), exemplar=exemplar)
+                        family.add_metric([*identity, *split_key(metric, value)], counts.get(value, 0),
+                                          exemplar=exemplar)
                 for reason in _values(REASONS, engine.residency):
                     _hist(residency, [*identity, reason], engine.residency.get(reason))
                 for cause in causes:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvobs import __version__
-from kvobs.codes import CAUSES, REASONS
+from kvobs.codes import CAUSES, EXCEPTION_CAUSES, REASONS
 from kvobs.wire.decode import MAX_RUNS_PER_FILE, Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
     MAX_ENGINES,
@@ -255,6 +255,9 @@ class SidecarState:
         self.reports_seen.add(report.name)
         self.note_unknown(report.unknown)
         state = self.engine((report.model_name, report.engine))
+        if report.cause in EXCEPTION_CAUSES:  # not a failed load: counted by kvobs_offload_exceptions (totals)
+            state.invalid += report.invalid
+            return
         for cause, group, n in report.summary.counts:
             state.groups.add(group)
             state.missing[(cause, group)] = state.missing.get((cause, group), 0) + n

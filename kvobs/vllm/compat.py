@@ -913,3 +913,76 @@ def padded_load_spec(spec: Any, extra: int, filler: int = 0) -> Any:
     if extra:
         spec.block_ids = np.concatenate([spec.block_ids, np.full(extra, filler, dtype=spec.block_ids.dtype)])
     return spec
+
+
+# -- the connector's boundary (kvobs/vllm/boundary.py) --------------------------------------------
+
+def _package_dir() -> str:
+    """The installed vLLM package's directory: an exception's site is the innermost frame inside it."""
+    import os
+
+    import vllm
+
+    return os.path.dirname(os.path.abspath(vllm.__file__))
+
+
+VLLM_DIR = _package_dir()
+
+CONNECTOR_SCHEDULER_METHODS: tuple[str, ...] = (
+    "on_new_request",  # 0.33+
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",  # 0.32+
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "has_pending_push_work",  # 0.34
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",  # HMA releases
+    "take_events",
+    "reset_cache",
+    "get_kv_connector_stats",  # either side: the scheduler's where it has one
+)
+"""The scheduler-side methods of vLLM's ``OffloadingConnector`` kvobs's connector guards, where the release
+has them (each is guarded only when ``OffloadingConnector`` defines it)."""
+CONNECTOR_WORKER_METHODS: tuple[str, ...] = (
+    "register_kv_caches",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",  # 0.34
+    "build_connector_worker_meta",
+    "get_block_ids_with_load_errors",
+)
+"""The worker-side methods guarded the same way."""
+
+
+def request_id_of(request: Any) -> str | None:
+    """A vLLM ``Request``'s id (None for anything else)."""
+    req_id = getattr(request, "request_id", None)
+    return req_id if isinstance(req_id, str) else None
+
+
+def request_status(request: Any) -> str:
+    """A vLLM ``Request``'s status name (``WAITING``, ``FINISHED_ABORTED``, ...), "" if unknown."""
+    status = getattr(request, "status", None)
+    return str(getattr(status, "name", "") or "")
+
+
+def output_request_ids(scheduler_output: Any) -> list[str]:
+    """The requests of a ``SchedulerOutput``: scheduled (new and cached) and finished, in that order."""
+    ids: list[str] = []
+    for req_id in (*(getattr(scheduler_output, "num_scheduled_tokens", None) or {}),
+                   *(getattr(scheduler_output, "finished_req_ids", None) or ())):
+        if isinstance(req_id, str) and req_id not in ids:
+            ids.append(req_id)
+    return ids
+
+
+def metadata_jobs(meta: Any) -> list[tuple[str, str, int]]:
+    """(``load`` or ``store``, request id, job id) of an ``OffloadingConnectorMetadata``'s jobs."""
+    out: list[tuple[str, str, int]] = []
+    for kind in ("load", "store"):
+        for job_id, job in (getattr(meta, f"{kind}_jobs", None) or {}).items():
+            out.append((kind, str(getattr(job, "req_id", "")), int(job_id)))
+    return out

@@ -6,7 +6,8 @@ request's trace, and to label kvobs's series with the served model name
 (``--served-model-name``; the spec alone sees only the model path). With the ``survive`` option it
 also arms survive mode (kvobs/vllm/survive.py): it reports the blocks of a recomputed load to vLLM as
 failed loads (one KV cache group), or the request itself (several), the ways a connector tells vLLM's
-scheduler to recompute. Everything else is vLLM's.
+scheduler to recompute. Every exception leaving vLLM's code through its scheduler- and worker-side
+methods is reported before it propagates unchanged (kvobs/vllm/boundary.py). Everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvobs.options import OptionError
 from kvobs.vllm import compat
+from kvobs.vllm.boundary import guard
 from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, SURVIVED_REQUESTS_ATTRIBUTE, Survival, failed_blocks
 from kvobs.vllm.trace_context import TraceHeaders
 
 logger = logging.getLogger("kvobs")
 
 
+@guard  # every scheduler- and worker-side method: an exception leaving is reported, then re-raised (boundary.py)
 class ObservedOffloadingConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         served = compat.SERVED_MODEL_NAME.set(compat.served_name_of(vllm_config))

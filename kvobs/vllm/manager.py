@@ -330,6 +330,7 @@ class ObservedOffloadingManager(OffloadingManager):
         except Exception as fault:  # the original assertion still propagates (or survive's source returns)
             observer.internal_error("diagnosis", fault)
         else:
+            observer.explained.append(exc)  # the connector's boundary reports it no second time
             observer.publish_failure(diagnosis, exc)
             try:
                 from kvobs.vllm.flight_recorder import bundle_on_failure

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvobs.codes import CAUSES, PATHS, REASONS, unpack_flags
+from kvobs.codes import CAUSES, EXCEPTION_CAUSES, PATHS, REASONS, unpack_flags
 from kvobs.wire.format import (
     EXTENSION,
     HEAD_FIELDS,
+    JOINED_LABELS,
     KEY_REF_BYTES,
     KINDS,
     MAX_BATCHES_PER_LINE,
@@ -133,7 +134,13 @@ def decode_counters(name: str, value: Any) -> dict[str, float] | None:
 def unknown_labels(counters: Mapping[str, Mapping[str, float]]) -> list[str]:
     """The label values of ``counters`` (totals maps) this reader does not know, as unknown items."""
     return [unknown_item("label_value", f"{name}={label}") for name, counts in counters.items()
-            for label in counts if label not in TOTAL_LABELS.get(name, ())]
+            for label in counts if _first(name, label) not in TOTAL_LABELS.get(name, ())]
+
+
+def _first(name: str, label: str) -> str:
+    """A totals map's key as far as this reader checks it: the first value of a joined key (JOINED_LABELS)."""
+    sep = JOINED_LABELS.get(name)
+    return label.partition(sep)[0] if sep else label
 
 
 def _unknown_fields(kind: str, record: Mapping[str, Any]) -> list[str]:
@@ -477,7 +484,8 @@ def decode_report(name: str, data: Any) -> Report | None:
         if not (age is None or is_seconds(age)):
             return None
     causes = dict.fromkeys([cause, *(row[0] for row in summary.counts)])
-    unknown = tuple(unknown_item("label_value", f"cause={c}") for c in causes if c not in CAUSES)
+    unknown = tuple(unknown_item("label_value", f"cause={c}") for c in causes
+                    if c not in CAUSES and c not in EXCEPTION_CAUSES)
     return Report(name, engine, model, float(when), cause, summary, data, trace_id, unknown)
 
 

@@ -39,6 +39,7 @@ from kvobs.wire.format import (
 from kvobs.wire.histogram import Histogram
 
 if TYPE_CHECKING:
+    from kvobs.boundary import OffloadException
     from kvobs.diagnosis import Diagnosis
     from kvobs.hot_path_loader import RemovalRun
 
@@ -254,6 +255,53 @@ def failure_report(
     }
 
 
+def exception_report(
+    failure: OffloadException, exc: BaseException, writer: Writer, wall_time: float,
+    trace: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """A failure report for an exception at the connector's boundary (kvobs/vllm/boundary.py).
+
+    The fields every reader of a failure report needs are there (``kind`` failure, ``cause`` one of
+    ``kvobs.codes.EXCEPTION_CAUSES``, an empty ``missing_summary`` and ``missing``), so every sidecar since
+    0.1.0 reads it (an older one as a failure with a cause it does not know); the rest are new fields,
+    which readers pass over (docs/design.md, "Wire compatibility")."""
+    req_ids = [fit_req_id(r) for r in failure.req_ids]
+    return {
+        "kind": "failure",
+        "format": FORMAT_VERSION,
+        "engine": writer.engine,
+        "model_name": writer.model_name,
+        "pid": writer.pid,
+        "time": wall_time,
+        "exception_type": failure.exception_type,
+        "vllm_message": failure.vllm_message,
+        "message": failure.message,
+        "req_id": req_ids[0] if req_ids else None,
+        "group": None,
+        "cause": failure.cause,
+        "causes": {failure.cause: 1},
+        "recomputed": False,
+        "trace_id": None if trace is None else trace[0],
+        "span_id": None if trace is None else trace[1],
+        "num_keys": 0,
+        "num_missing": 0,
+        "missing_not_listed": 0,
+        "missing_summary": {"counts": [], "ages": {}, "bounds": list(BUCKETS)},
+        "missing": [],
+        "site": None if failure.site is None else failure.site.to_json(),
+        "site_label": failure.label,
+        "raised_at": None if failure.raised_at is None else failure.raised_at.to_json(),
+        "side": failure.side,
+        "method": failure.method,
+        "req_ids": req_ids,
+        "requests": [dict(r) for r in failure.requests],
+        "events": [dict(e) for e in failure.events],
+        "not_recorded": list(failure.not_recorded),
+        "releases": dict(failure.releases),
+        **({"extra": dict(failure.extra)} if failure.extra else {}),
+    }
+
+
 def missing_summary(diagnosis: Diagnosis) -> dict[str, Any]:
     """Every missing key, aggregated: counts by (cause, group) and eviction ages bucketed per group.
 
@@ -277,6 +325,12 @@ def bounded_report(report: dict[str, Any], limit: int) -> bytes:
     """The report as JSON of at most ``limit`` bytes: the per-key list is cut first (the summary
     keeps every key's cause and age), then the texts. ``missing_not_listed`` counts what was cut."""
     data = json.dumps(report, sort_keys=True, allow_nan=False).encode()
+    for listed in ("events", "requests"):  # an exception's report: its lists before its texts
+        items = list(report.get(listed) or [])
+        while len(data) > limit and items:
+            items = items[len(items) // 2 + 1:] if listed == "events" else items[: len(items) // 2]
+            report = report | {listed: items}
+            data = json.dumps(report, sort_keys=True, allow_nan=False).encode()
     missing = list(report.get("missing") or [])
     while len(data) > limit and missing:
         missing = missing[: len(missing) // 2]

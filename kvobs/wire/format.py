@@ -31,7 +31,7 @@ import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvobs.metric_catalogue import TOTALS
+from kvobs.metric_catalogue import COUNTED, TOTALS
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -94,6 +94,9 @@ TOTAL_KEYS: tuple[str, ...] = tuple(TOTALS)
 """The counter maps of a ``totals`` line: kvobs/metric_catalogue.py's totals keys."""
 TOTAL_LABELS: dict[str, tuple[str, ...]] = TOTALS
 """The label values each totals map starts with (its metric's ``values``, or its counters' parts)."""
+JOINED_LABELS: dict[str, str] = {m.totals: m.sep for m in COUNTED if m.sep}
+"""Totals maps whose keys join two label values (``MetricDef.sep``): only the first is checked against the
+known values; the second (``kvobs_offload_exceptions``'s site) is open, bounded by :func:`kept_labels`."""
 EXTENSION = "ext"
 """A ``totals`` line's map of counts under label values the readers of format 2 as of kvobs 0.1.0
 refuse (:data:`FROZEN_READER_LABELS`): ``{totals key: {label value: count}}``. Those readers ignore a

@@ -1,0 +1,84 @@
+"""An exception that left vLLM's offloading code through kvobs's connector, as one value every sink reads.
+
+Why a value of its own rather than a :class:`~kvobs.diagnosis.Diagnosis`: there are no missing keys to
+classify, only where it happened (:class:`~kvobs.sites.Site`), the requests it involved and what kvobs
+saw of them (:mod:`kvobs.lifecycle`). Pure (no vLLM): built by kvobs/vllm/boundary.py, read by the
+journal's report (``kvobs.wire.encode.exception_report``), the span (``kvobs.tracing``) and the log line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvobs.codes import EXCEPTION_CAUSES
+from kvobs.sites import Site
+
+LOG_PREFIX = "kv offload exception"
+"""The start of the engine's log line for one (``kvobs explain`` and log searches key on it)."""
+LABEL_ROOM = 64 - max(map(len, EXCEPTION_CAUSES)) - 1
+"""Characters of a site label: ``kvobs_offload_exceptions``'s totals key, cause and site, is a short label
+(``kvobs.wire.format.MAX_SHORT_LABEL``, 64)."""
+MAX_MESSAGE = 2_000
+"""Characters of the exception's own text kept."""
+
+
+def cause_of(exc: BaseException) -> str:
+    """``vllm_assertion`` for an AssertionError (vLLM's asserts), else ``vllm_exception``."""
+    return EXCEPTION_CAUSES[0] if isinstance(exc, AssertionError) else EXCEPTION_CAUSES[1]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadException:
+    """Everything a report, a span and a log line say of one exception at the boundary."""
+
+    side: str
+    """``scheduler`` or ``worker``: the connector's side it left through."""
+    method: str
+    """The connector's method it left (``build_connector_meta``, ...)."""
+    cause: str
+    """One of ``kvobs.codes.EXCEPTION_CAUSES``."""
+    exception_type: str
+    vllm_message: str
+    """``str(exc)``, as vLLM wrote it (cut to ``MAX_MESSAGE``)."""
+    site: Site | None
+    """The innermost frame inside vLLM's package (None: none was, e.g. raised by the caller's own code)."""
+    raised_at: Site | None
+    """The innermost frame of all, where that is not ``site`` (a plugin's, kvobs's, an injection's)."""
+    req_ids: Sequence[str]
+    """The requests the call involved (its request argument, the step's scheduled and finished ones)."""
+    requests: Sequence[Mapping[str, Any]]
+    """Each involved request's lifecycle as kvobs's connector saw it (kvobs.lifecycle.Lifecycle.of)."""
+    events: Sequence[Mapping[str, Any]]
+    """The connector's most recent calls, oldest first."""
+    releases: Mapping[str, str]
+    """``vllm`` and ``kvobs`` versions."""
+    not_recorded: Sequence[str] = ()
+    """What the lifecycle does not hold (kvobs.lifecycle.NOT_RECORDED)."""
+    time: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The ``site`` label of ``kvobs_offload_exceptions``: vLLM's ``file:function``, its leading directories
+        dropped to fit the counter's key (cause, space, site: a short label of the wire); "" when no frame was
+        inside vLLM's package."""
+        return self.site.label(LABEL_ROOM) if self.site is not None else ""
+
+    @property
+    def message(self) -> str:
+        """One line (newlines of vLLM's text written ``\\n``): the site, its expression, the call, the
+        exception, the requests."""
+        site = self.site
+        where = (f"{site.file}:{site.line} in {site.function}" if site is not None
+                 else "outside vLLM's package")
+        said = ""
+        if site is not None and site.expression:
+            said = f" ({'assert ' if site.statement == 'assert' else ''}{site.expression})"
+        raised = ""
+        if self.raised_at is not None:
+            raised = f"; raised at {self.raised_at.file}:{self.raised_at.line} in {self.raised_at.function}"
+        return (f"{LOG_PREFIX} at {where}{said}{raised}; through the connector's {self.side}-side "
+                f"{self.method}; {self.exception_type}: {self.vllm_message[:300].replace(chr(10), chr(92) + 'n')}; "
+                f"requests: {list(self.req_ids)[:16]!r}; cause: {self.cause}; vLLM {self.releases.get('vllm', '?')}")
