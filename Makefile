@@ -23,6 +23,7 @@ quietly = @mkdir -p $(SETUP_LOGS); printf '  %-72s ' '$(1)'; start=$$(date +%s);
   if { $(3); } > $(SETUP_LOGS)/$(2).log 2>&1; then echo "done ($$(( $$(date +%s) - start )) s)"; \
   else echo "FAILED"; tail -n 25 $(SETUP_LOGS)/$(2).log; echo "make: set-up failed; pip's full output: $(SETUP_LOGS)/$(2).log"; exit 1; fi
 RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transparency.py \
+  tests/integration/test_boundary.py tests/integration/test_explain_tracebacks.py \
   tests/integration/test_plugin.py tests/integration/test_scheduler.py tests/integration/test_verdict_overflow.py \
   tests/integration/test_fs_tier.py tests/integration/test_fail_open.py tests/reliability/test_reliability_transparency.py \
   tests/integration/test_vllm_metrics.py tests/integration/test_logs_through_vllm.py \

@@ -172,6 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     import json
 
+    from kvobs import explain_tracebacks
     from kvobs.explain import (
         ExplainError,
         add_directory_evidence,
@@ -207,18 +208,20 @@ def _explain(args: argparse.Namespace) -> int:
                 except OSError as exc:
                     raise ExplainError(f"cannot read {source}: {exc.strerror or exc}") from exc
                 name = source
-            entries = scan.assertions
-            if args.dir:
-                scan.damage.extend(add_directory_evidence(entries, Path(args.dir)))  # files that are not reports
+            entries, exceptions = scan.assertions, scan.exceptions
+            if args.dir:  # files that are not reports
+                scan.damage.extend(add_directory_evidence(entries, Path(args.dir), exceptions))
             if args.sidecar:
                 # where paging stopped, if it did
-                scan.damage.extend(add_sidecar_evidence(entries, args.sidecar, token))
-            found_any = found_any or bool(entries)
+                scan.damage.extend(add_sidecar_evidence(entries, args.sidecar, token, exceptions))
+            found_any = found_any or bool(entries) or bool(exceptions)
             if args.json:
                 results.append({"source": name, "assertions": as_json(entries), "not_shown": scan.not_shown,
-                                "damage": scan.damage})
+                                "damage": scan.damage, "exceptions": explain_tracebacks.as_json(exceptions),
+                                "exceptions_not_shown": scan.exceptions_not_shown})
             else:
-                print(render(entries, scan.not_shown, bool(args.dir or args.sidecar), name, scan.damage), end="")
+                print(render(entries, scan.not_shown, bool(args.dir or args.sidecar), name, scan.damage,
+                             exceptions, scan.exceptions_not_shown), end="")
     except ExplainError as exc:
         print(f"kvobs explain: {exc}", file=sys.stderr)
         return 2

@@ -28,13 +28,13 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvobs import message
+from kvobs import explain_tracebacks, message
 from kvobs.codes import CAUSES
 from kvobs.keys import decode_key
 from kvobs.logtext import UnreadableLog, log_lines, strip_escapes
@@ -150,15 +150,16 @@ class LoggedAssertion:
 # -- reading logs ---------------------------------------------------------------------------
 
 
-def _texts(line: str, replaced: list[int], depth: int = 0) -> list[str]:
+def _texts(line: str, replaced: list[int], depth: int = 0, hints: tuple[str, ...] = WORDING_HINTS,
+           wanted: Callable[[str], Any] = ASSERTION.search) -> list[str]:
     """The texts of a line to search: the line itself, or — when it is JSON (a formatter, a log
-    shipper, an export) — its decoded string values that hold an assertion, one per line of each.
+    shipper, an export) — its decoded string values that hold an assertion (``wanted``), one per line of each.
     ``replaced[0]`` counts the strings whose text was not valid (load_json replaced it: a note says so)."""
-    if depth >= MAX_JSON_DEPTH or '"' not in line or not any(hint in line for hint in WORDING_HINTS):
+    if depth >= MAX_JSON_DEPTH or '"' not in line or not any(hint in line for hint in hints):
         return [line]
     decoded: list[str] = []
     for token in JSON_STRING.finditer(line):
-        if not any(hint in token[0] for hint in WORDING_HINTS):
+        if not any(hint in token[0] for hint in hints):
             continue
         try:
             value, invalid = load_json(token[0])  # a lone surrogate ("\udc80") is replaced: printable
@@ -167,8 +168,8 @@ def _texts(line: str, replaced: list[int], depth: int = 0) -> list[str]:
         replaced[0] += invalid
         if isinstance(value, str):  # decoded: the raw text would misread escaped keys
             for part in value.splitlines():
-                decoded.extend(_texts(strip_escapes(part), replaced, depth + 1))
-    return decoded if any(ASSERTION.search(text) for text in decoded) else [line]
+                decoded.extend(_texts(strip_escapes(part), replaced, depth + 1, hints, wanted))
+    return decoded if any(wanted(text) for text in decoded) else [line]
 
 
 def _parse_key(text: str) -> bytes | None:
@@ -198,6 +199,9 @@ class LogScan:
     assertions: list[LoggedAssertion]
     not_shown: int
     damage: list[str]
+    exceptions: list[explain_tracebacks.LoggedException] = field(default_factory=list)
+    """Exceptions that left vLLM's offloading code (kvobs.explain_tracebacks), besides prepare_load's."""
+    exceptions_not_shown: int = 0
 
 
 def scan_log(stream: BinaryIO) -> LogScan:
@@ -211,6 +215,7 @@ def scan_log(stream: BinaryIO) -> LogScan:
     untracked = 0
     damage: list[str] = []
     replaced = [0]
+    tracebacks = explain_tracebacks.TracebackScanner(lambda text: ASSERTION.search(text) is not None, _where)
     decoded = log_lines(stream, damage, MAX_LINE_CHARS)
     with contextlib.closing(decoded):  # closed while ``stream`` is still open, however the scan ends
         try:
@@ -219,6 +224,8 @@ def scan_log(stream: BinaryIO) -> LogScan:
         except UnreadableLog as exc:
             raise ExplainError(f"cannot read {getattr(stream, 'name', 'the log')}: {exc}") from None
         for number, line in itertools.chain(() if first_line is None else (first_line,), lines):
+            for text in _texts(line, [0], hints=explain_tracebacks.HINTS, wanted=explain_tracebacks.WANTED):
+                tracebacks.feed(number, text, line)
             for text in _texts(line, replaced):
                 for match in ASSERTION.finditer(text):
                     state = "missing" if match["what"].startswith("not found") else "not_ready"
@@ -261,7 +268,15 @@ def scan_log(stream: BinaryIO) -> LogScan:
         damage.append(f"{replaced[0]} JSON string(s) held text that is not valid (a lone surrogate), read with "
                       "U+FFFD in its place")
     entries = index.entries
-    return LogScan(entries, len(dropped) + untracked, damage)
+    return LogScan(entries, len(dropped) + untracked, damage, tracebacks.entries, tracebacks.not_shown)
+
+
+def _where(text: str, line: str) -> tuple[str | None, str | None]:
+    """(engine, log time) of a text of a line, as an assertion's are read."""
+    engine_match = ENGINE.search(text) or ENGINE.search(line)
+    when = LOG_TIME.search(text) or LOG_TIME.search(line)
+    return (None if engine_match is None else (engine_match["dp"] or "0"),
+            None if when is None else when["time"])
 
 
 class _Found:
@@ -352,9 +367,11 @@ def _report_matches(report: dict[str, Any], entry: LoggedAssertion) -> bool:
     )
 
 
-def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> list[str]:
-    """Failure reports and journaled removals in a kvobs directory, for each logged key; returns a note
-    naming the files in ``failures/`` that are not kvobs reports (skipped, as the sidecar skips them)."""
+def add_directory_evidence(entries: list[LoggedAssertion], directory: Path,
+                           exceptions: list[explain_tracebacks.LoggedException] | None = None) -> list[str]:
+    """Failure reports and journaled removals in a kvobs directory, for each logged key (and the reports of
+    each logged exception's site); returns a note naming the files in ``failures/`` that are not kvobs
+    reports (skipped, as the sidecar skips them)."""
     if not directory.is_dir():
         raise ExplainError(f"--dir {directory}: not a directory (expected the KVOBS_DIR the engines wrote)")
     strays = list_reports(directory / FAILURES_DIR)[1]
@@ -364,6 +381,7 @@ def add_directory_evidence(entries: list[LoggedAssertion], directory: Path) -> l
         for entry in entries:
             if _report_matches(report, entry):
                 entry.reports.append(report)
+        explain_tracebacks.attach((report,), exceptions or [])
     wanted: dict[str, list[LoggedAssertion]] = {}
     for entry in entries:
         ref = entry.key_ref
@@ -427,7 +445,8 @@ class _PageFailed(Exception):
     """One page of the sidecar's reports could not be read; the message says which and why."""
 
 
-def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes | None = None) -> list[str]:
+def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes | None = None,
+                         exceptions: list[explain_tracebacks.LoggedException] | None = None) -> list[str]:
     """Failure reports from a running sidecar's /api/v1/failures, every page (the API's ``next``)
     until it is null, at most ``MAX_SIDECAR_PAGES`` pages and ``SIDECAR_DEADLINE_S``; the notes
     returned say where it stopped when it did not read them all. A first page that fails is an
@@ -458,6 +477,7 @@ def add_sidecar_evidence(entries: list[LoggedAssertion], url: str, token: bytes 
                 for entry in entries:
                     if _report_matches(report, entry) and report not in entry.reports:
                         entry.reports.append(report)
+        explain_tracebacks.attach(reports, exceptions or [])
     return []
 
 
@@ -533,9 +553,14 @@ def _wording_line(entry: LoggedAssertion) -> str:
 
 
 def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source: str,
-           damage: Iterable[str] = ()) -> str:
-    """The human-readable explanation of every assertion found."""
+           damage: Iterable[str] = (), exceptions: list[explain_tracebacks.LoggedException] | None = None,
+           exceptions_not_shown: int = 0) -> str:
+    """The human-readable explanation of every assertion found, then of every other exception that left
+    vLLM's offloading code (kvobs.explain_tracebacks)."""
     notes = "".join(f"note: {source}: {problem}\n" for problem in damage)
+    others = explain_tracebacks.render(exceptions or [], exceptions_not_shown, have_data, source)
+    if not entries and others:
+        return notes + "\n".join(others) + "\n"
     if not entries:
         return notes + (f"no offload assertion found in {source} (looked for 'Block|Chunk <key> not found in "
                         "cache' and '... is not ready for reading')\n")
@@ -583,6 +608,8 @@ def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source
         out.append(f"\n{dropped} more distinct assertions not shown (at most {MAX_ASSERTIONS})")
     if not have_data and not any(e.kvobs_cause for e in entries):
         out.append(f"\n{ENABLE_HINT}")
+    if others:
+        out.extend(["", *others])
     return notes + "\n".join(out) + "\n"
 
 
