@@ -75,12 +75,9 @@ def child(side: str, manager: str, workload_name: str, journal_dir: str, steps: 
     for call, args in calls:
         call(*args)
     t1 = time.thread_time()
-    observer = getattr(m, "observer", None)
-    if observer is not None:
-        observer.drain()
-    if sink is not None:
-        sink.flush()
+    overhead.settle(m, sink)
     p1 = time.process_time()
+    observer = getattr(m, "observer", None)
     gc.callbacks.remove(on_gc)
     errors = sum(observer.internal_errors.values()) if observer is not None else 0
     m.shutdown()

@@ -353,16 +353,22 @@ def replay_once(trace: Trace, side: str, journal_dir: Path | None) -> tuple[floa
         for call, args in calls:
             call(*args)
         t1 = time.thread_time()
-        observer = getattr(m, "observer", None)
-        if observer is not None:
-            observer.drain()  # what kvobs's applier thread still owes for this replay (kvobs/applier.py)
-        if sink is not None:
-            sink.flush()  # what the writer thread still owes for this replay
+        settle(m, sink)
         p1 = time.process_time()
     finally:
         gc.unfreeze()
         m.shutdown()
     return t1 - t0, p1 - p0
+
+
+def settle(m: OffloadingManager, sink: Any) -> None:
+    """What kvobs's applier thread (kvobs/applier.py) and the journal's writer thread still owe for a replay,
+    done on this thread."""
+    observer = getattr(m, "observer", None)
+    if observer is not None:
+        observer.drain()
+    if sink is not None:
+        sink.flush()
 
 
 SLICE_CALLS = 500

@@ -520,6 +520,24 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
+def located(entry: Any) -> dict[str, Any]:
+    """Where a death is in the log, as ``--json`` says it (an assertion's entry or an exception's)."""
+    return {"line": entry.line, "occurrences": entry.occurrences, "engine": entry.engine, "log_time": entry.log_time}
+
+
+def heading(label: str, entry: Any) -> str:
+    """``[label] line N, engine E, logged T, K times``: where a death is in the log (an assertion's entry or an
+    exception's, kvobs/explain_tracebacks.py)."""
+    where = [f"line {entry.line}"]
+    if entry.engine:
+        where.append(f"engine {entry.engine}")
+    if entry.log_time:
+        where.append(f"logged {entry.log_time}")
+    if entry.occurrences > 1:
+        where.append(f"{entry.occurrences} times")
+    return f"\n[{label}] {', '.join(where)}"
+
+
 def _utc(timestamp: Any) -> str:
     """A wall time for people; a damaged one (not a number, out of range) is said so, not raised."""
     if not _is_number(timestamp):
@@ -566,14 +584,7 @@ def render(entries: list[LoggedAssertion], dropped: int, have_data: bool, source
                         "cache' and '... is not ready for reading')\n")
     out: list[str] = [f"{len(entries)} offload assertion{'s' * (len(entries) > 1)} in {source}"]
     for number, entry in enumerate(entries, start=1):
-        where = [f"line {entry.line}"]
-        if entry.engine:
-            where.append(f"engine {entry.engine}")
-        if entry.log_time:
-            where.append(f"logged {entry.log_time}")
-        if entry.occurrences > 1:
-            where.append(f"{entry.occurrences} times")
-        out.append(f"\n[{number}] {', '.join(where)}")
+        out.append(heading(str(number), entry))
         out.append(f"  vLLM said: {entry.vllm_text[:300]}")
         out.append(f"  {_key_line(entry)}")
         out.append(f"  {_wording_line(entry)}")
@@ -617,10 +628,7 @@ def as_json(entries: Iterable[LoggedAssertion]) -> list[dict[str, Any]]:
     """Machine-readable form (``kvobs explain --json``)."""
     return [
         {
-            "line": e.line,
-            "occurrences": e.occurrences,
-            "engine": e.engine,
-            "log_time": e.log_time,
+            **located(e),
             "wording": e.noun,
             "state": e.state,
             "vllm_message": e.vllm_text,

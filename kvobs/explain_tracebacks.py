@@ -377,21 +377,14 @@ def _site_text(entry: LoggedException) -> str:
 
 def render(entries: list[LoggedException], not_shown: int, have_data: bool, source: str) -> list[str]:
     """Lines of the text output (:func:`kvobs.explain.render` joins them after its assertions)."""
-    from kvobs.explain import _utc
+    from kvobs.explain import _utc, heading
 
     if not entries:
         return []
     out = [f"{len(entries)} offload exception{'s' * (len(entries) > 1)} in {source} (an exception left vLLM's "
            "offloading code)"]
     for number, entry in enumerate(entries, start=1):
-        where = [f"line {entry.line}"]
-        if entry.engine:
-            where.append(f"engine {entry.engine}")
-        if entry.log_time:
-            where.append(f"logged {entry.log_time}")
-        if entry.occurrences > 1:
-            where.append(f"{entry.occurrences} times")
-        out.append(f"\n[E{number}] {', '.join(where)}")
+        out.append(heading(f"E{number}", entry))
         out.append(f"  site: {_site_text(entry)}")
         said = entry.exception_type or "(exception type not in the log)"
         if entry.message:
@@ -427,12 +420,11 @@ def render(entries: list[LoggedException], not_shown: int, have_data: bool, sour
 
 def as_json(entries: Iterable[LoggedException]) -> list[dict[str, Any]]:
     """Machine-readable form (``kvobs explain --json``'s ``exceptions``)."""
+    from kvobs.explain import located
+
     return [
         {
-            "line": e.line,
-            "occurrences": e.occurrences,
-            "engine": e.engine,
-            "log_time": e.log_time,
+            **located(e),
             "site": {"file": e.file, "function": e.function, "line": e.site_line, "expression": e.expression,
                      "statement": e.statement},
             "exception_type": e.exception_type,

@@ -533,16 +533,7 @@ class Observer:
         """Make the failure's event and hand it to every sink (reports, spans); they finish before
         this returns. First every sink's :meth:`Sink.start_failure` (the trace's ids: the first
         sink to give them), then every sink's :meth:`Sink.on_failure` with the one event; it."""
-        trace: tuple[str, str] | None = None
-        deadline = Deadline(FAILURE_WAIT_S)
-        for sink in self._sinks:
-            try:
-                ids = sink.start_failure(diagnosis, exc, deadline)
-            except Exception as fault:  # a sink must never break vLLM
-                self.internal_error(sink.stage, fault)
-                continue
-            if trace is None and ids is not None:
-                trace = ids
+        trace, deadline = self._started(lambda sink, d: sink.start_failure(diagnosis, exc, d))
         event = FailureEvent(diagnosis, exc, trace, deadline)
         self._each_sink(lambda s: s.on_failure(event))
         return event
@@ -550,19 +541,25 @@ class Observer:
     def publish_exception(self, failure: OffloadException, exc: BaseException) -> ExceptionEvent:
         """As :meth:`publish_failure`, for an exception at the connector's boundary: every sink's
         :meth:`Sink.start_exception`, then every sink's :meth:`Sink.on_exception`, one deadline."""
+        trace, deadline = self._started(lambda sink, d: sink.start_exception(failure, exc, d))
+        event = ExceptionEvent(failure, exc, trace, deadline)
+        self._each_sink(lambda s: s.on_exception(event))
+        return event
+
+    def _started(self, start: Callable[[Sink, Deadline], tuple[str, str] | None]
+                 ) -> tuple[tuple[str, str] | None, Deadline]:
+        """Every sink's ``start`` under one deadline; the trace's ids (the first sink to give them) and it."""
         trace: tuple[str, str] | None = None
         deadline = Deadline(FAILURE_WAIT_S)
         for sink in self._sinks:
             try:
-                ids = sink.start_exception(failure, exc, deadline)
+                ids = start(sink, deadline)
             except Exception as fault:  # a sink must never break vLLM
                 self.internal_error(sink.stage, fault)
                 continue
             if trace is None and ids is not None:
                 trace = ids
-        event = ExceptionEvent(failure, exc, trace, deadline)
-        self._each_sink(lambda s: s.on_exception(event))
-        return event
+        return trace, deadline
 
     def unavailable(self) -> dict[str, bool]:
         """The parts of kvobs its options ask for that do not work now, by part (kvobs/metric_catalogue.py's

@@ -199,6 +199,12 @@ def _encode_run(writer: Writer, run: RemovalRun, wall_offset: float) -> list[str
 
 
 
+def _report_head(writer: Writer, wall_time: float) -> dict[str, Any]:
+    """The fields that open every failure report: what it is, its format, whose and when."""
+    return {"kind": "failure", "format": FORMAT_VERSION, "engine": writer.engine, "model_name": writer.model_name,
+            "pid": writer.pid, "time": wall_time}
+
+
 def failure_report(
     diagnosis: Diagnosis, exc: BaseException, writer: Writer, wall_time: float, trace: tuple[str, str] | None = None
 ) -> dict[str, Any]:
@@ -208,12 +214,7 @@ def failure_report(
     the report, and the sidecar's exemplar, name the trace the tracing backend holds."""
     failure = diagnosis.failure
     return {
-        "kind": "failure",
-        "format": FORMAT_VERSION,
-        "engine": writer.engine,
-        "model_name": writer.model_name,
-        "pid": writer.pid,
-        "time": wall_time,
+        **_report_head(writer, wall_time),
         "exception_type": type(exc).__name__,
         "vllm_message": failure.vllm_message,
         "message": diagnosis.message,
@@ -267,12 +268,7 @@ def exception_report(
     which readers pass over (docs/design.md, "Wire compatibility")."""
     req_ids = [fit_req_id(r) for r in failure.req_ids]
     return {
-        "kind": "failure",
-        "format": FORMAT_VERSION,
-        "engine": writer.engine,
-        "model_name": writer.model_name,
-        "pid": writer.pid,
-        "time": wall_time,
+        **_report_head(writer, wall_time),
         "exception_type": failure.exception_type,
         "vllm_message": failure.vllm_message,
         "message": failure.message,
