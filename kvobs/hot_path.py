@@ -615,10 +615,13 @@ class Recorder:
         if self._flight_left <= 0:
             self.roll()
 
-    def flight_captured(self, method: str, keys: Any, req_id: str | None, outcome: Any) -> None:
-        """Capture, flat, a call only the flight recorder keeps: ``method(keys, ...)`` of request ``req_id``
-        (``keys`` None: it took none) that answered ``outcome``. Never raises."""
+    def flight_captured(self, method: str, keys: Any, req_context: Any, outcome: Any) -> None:
+        """Capture, flat, a call only the flight recorder keeps: ``method(keys, ...)`` of the request
+        ``req_context`` names (``keys`` None: it took none) that answered ``outcome``. Never raises: the request
+        id is read here, inside the guard, so a context kvobs does not know turns the recorder off, not vLLM's
+        call into an exception."""
         try:
+            req_id = req_context.req_id
             count = 0
             if keys is not None:
                 count = len(keys)
@@ -1093,7 +1096,7 @@ class KeysTap:
             rec.frame = before
         if rec.flight_calls:
             if success is _ABSENT:
-                rec.flight_captured(self.name, keys, req_context.req_id, None)
+                rec.flight_captured(self.name, keys, req_context, None)
             else:
                 rec.call_captured((_CALL, self.name, (keys, req_context, success), None, None))
         return result
@@ -1119,7 +1122,7 @@ class StoreTap:
             except Exception as exc:
                 rec.on_error("record.store", exc)
         if rec.flight_calls:
-            rec.flight_captured("prepare_store", keys, req_context.req_id, result is not None)
+            rec.flight_captured("prepare_store", keys, req_context, result is not None)
         return result
 
 
@@ -1140,13 +1143,13 @@ class RequestTap:
                 result = self.inner(req_context, exclude_tier_idx=exclude_tier_idx)
         finally:
             rec.frame = before
-        if rec.flight_calls:
-            rec.flight_live.pop(req_context.req_id, None)
         try:
             req_id = req_context.req_id
         except Exception as exc:
             rec.on_error("record.finish", exc)
             return result
+        if rec.flight_calls:
+            rec.flight_live.pop(req_id, None)
         rec.call_captured((_FINISH, req_id))
         return result
 
@@ -1182,11 +1185,17 @@ class NewRequestTap:
         result = self.inner(req_context)
         rec = self.rec
         if rec.flight_calls:
+            try:
+                req_id = req_context.req_id
+            except Exception as exc:
+                rec.on_error("flight", exc)
+                rec.flight_off()
+                return result
             live = rec.flight_live
-            if len(live) >= rec.flight_live_limit and req_context.req_id not in live:
+            if len(live) >= rec.flight_live_limit and req_id not in live:
                 del live[next(iter(live))]
-            live[req_context.req_id] = req_context
-            rec.flight_captured("on_new_request", None, req_context.req_id, None)
+            live[req_id] = req_context
+            rec.flight_captured("on_new_request", None, req_context, None)
         return result
 
 
@@ -1202,7 +1211,7 @@ class KeysPassTap:
         result = self.inner(keys, req_context)
         rec = self.rec
         if rec.flight_calls:
-            rec.flight_captured(self.name, keys, req_context.req_id, None)
+            rec.flight_captured(self.name, keys, req_context, None)
         return result
 
 

@@ -251,3 +251,37 @@ def test_the_wrappers_methods_follow_the_protocol_table(flight_calls: int) -> No
         assert type(observed).has_pending_work(observed) == inner.has_pending_work()
     finally:
         observed.shutdown()
+
+
+class _ContextWithoutRequestId(ReqContext):
+    """vLLM's request context but for ``req_id``, which raises: vLLM's method may never read it, kvobs's taps
+    must not turn vLLM's answer into an exception when they do."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "req_id":
+            raise AttributeError("this context has no req_id")
+        return super().__getattribute__(name)
+
+
+_WITH_A_REQUEST = [row.name for row in compat.PROTOCOL if row.recorded and "req" in row.recorded]
+
+
+@pytest.mark.parametrize("name", _WITH_A_REQUEST)
+def test_a_context_without_a_request_id_gets_what_the_bare_manager_gives_with_the_recorder_on(name: str) -> None:
+    bare = create_manager(cpu_extra(4))
+    observed = kvobs.observe(create_manager(cpu_extra(4)), flight_calls=50_000)
+    if not hasattr(bare, name):
+        pytest.skip(f"{name} is not in this release")
+    kinds = compat.PROTOCOL_BY_NAME[name].recorded or ()
+
+    def outcome(manager: Any) -> str:
+        stand_ins = {"key": key(1), "keys": [key(1)], "req": _ContextWithoutRequestId("r"), "": True}
+        try:
+            return f"returned {type(getattr(manager, name)(*(stand_ins[k] for k in kinds))).__name__}"
+        except Exception as exc:  # what vLLM raises, the same through kvobs (its message aside: prepare_load's)
+            return f"raised {type(exc).__name__}"
+
+    try:
+        assert outcome(observed) == outcome(bare)
+    finally:
+        observed.shutdown()
