@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -182,15 +183,54 @@ class SpanExportTimeout(TimeoutError):
     """The failure span was not exported within the bound (counted as a kvobs fault, never raised to vLLM)."""
 
 
+@dataclass(frozen=True)
+class _Span:
+    """What one span carries, whichever failure it reports (:func:`_failure_span`, :func:`_exception_span`):
+    one emitter (:meth:`TracingSink._emit`) starts, fills, ends and flushes every span kvobs makes."""
+
+    name: str
+    parent: Context
+    attributes: dict[str, Any]
+    escaped: bool
+    """The exception left kvobs (False: survive mode recomputed the load, vLLM never saw the assertion)."""
+    event: str
+    event_attributes: dict[str, Any]
+    status: str
+
+
+def _failure_span(diagnosis: Diagnosis) -> _Span:
+    """A failed load's span, ``kv_offload.load_failure``, under the request's trace when it came with one."""
+    failure = diagnosis.failure
+    return _Span(SPAN_NAME, parent_context(failure.trace_headers),
+                 {REQUEST_ID: failure.req_id, "kv_offload.req_id": failure.req_id,
+                  "kv_offload.cause": diagnosis.cause, ERROR_TYPE: diagnosis.cause,
+                  "kv_offload.recomputed": failure.recomputed},
+                 not failure.recomputed, EVENT_NAME, event_attributes(diagnosis),
+                 f"{diagnosis.cause}: {failure.vllm_message[:200]}")
+
+
+def _exception_span(failure: OffloadException) -> _Span:
+    """An exception at the connector's boundary: ``kv_offload.<method>``, a trace of its own."""
+    attributes: dict[str, Any] = {
+        "kv_offload.cause": failure.cause, ERROR_TYPE: failure.cause, "kv_offload.side": failure.side,
+        "kv_offload.method": failure.method,
+        "kv_offload.req_ids": [str(r) for r in failure.req_ids[:MAX_SPAN_KEYS]]}
+    if failure.req_ids:
+        attributes[REQUEST_ID] = failure.req_ids[0]
+    return _Span(EXCEPTION_SPAN_PREFIX + failure.method, Context(), attributes, True, SITE_EVENT,
+                 exception_attributes(failure), f"{failure.cause} at {failure.label}: {failure.vllm_message[:200]}")
+
+
 class _Emission:
     """One failure's span, emitted on a helper thread that starts, ends and flushes it by itself;
-    ``started`` is set once the span's ids are known (or the attempt is over)."""
+    ``started`` is set once the span's ids are known (or the attempt is over). ``subject`` is what it
+    reports (a Diagnosis or an OffloadException), ``span_of`` makes the span's content, on the helper thread."""
 
-    def __init__(self, sink: TracingSink, diagnosis: Any, exc: BaseException, deadline: Deadline,
-                 emit: Callable[[_Emission], None] | None = None) -> None:
+    def __init__(self, sink: TracingSink, subject: object, span_of: Callable[[], _Span], exc: BaseException,
+                 deadline: Deadline) -> None:
         self.sink = sink
-        self.diagnosis = diagnosis  # a Diagnosis, or an OffloadException (emit: TracingSink._emit_exception)
-        self.emit = emit
+        self.subject = subject
+        self.span_of = span_of
         self.exc = exc
         self.deadline = deadline
         self.started = threading.Event()
@@ -203,8 +243,8 @@ class _Emission:
 
     def _run(self) -> None:
         try:
-            (self.emit or self.sink._emit)(self)
-        except BaseException as fault:  # handed to the failing load's thread by TracingSink.on_failure
+            self.sink._emit(self)
+        except BaseException as fault:  # handed to the failing load's thread by TracingSink._finish
             self.errors.append(fault)
         finally:
             self.started.set()
@@ -237,52 +277,54 @@ class TracingSink(Sink):
                 return self._from_env
         return provider
 
-    def _begin(self, diagnosis: Any, exc: BaseException, deadline: Deadline,
-               emit: Callable[[_Emission], None] | None = None) -> _Emission:
-        """This failure's emission, started on first call (by start_failure, or by on_failure)."""
+    def _begin(self, subject: object, span_of: Callable[[], _Span], exc: BaseException,
+               deadline: Deadline) -> _Emission:
+        """This failure's emission, started on first call (by a ``start_*``, or by the ``on_*`` that ends it)."""
         current = self._current
         if current is not None:
-            if current.diagnosis is diagnosis:
+            if current.subject is subject:
                 return current
-            if current.thread.is_alive():  # begun for a failure on_failure never waited for
+            if current.thread.is_alive():  # begun for a failure its on_* never waited for
                 self._straggler = current.thread
         if self._straggler is not None and self._straggler.is_alive():
             raise SpanExportTimeout("the previous failure span is still exporting; this one is skipped")
-        emission = _Emission(self, diagnosis, exc, deadline, emit)
+        emission = _Emission(self, subject, span_of, exc, deadline)
         self._current = emission
         emission.thread.start()
         return emission
 
-    def start_failure(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> tuple[str, str] | None:
-        """(trace_id, span_id) in hex of this failure's span when it is sampled, else None: starts the
-        span and waits for its start until the failure's deadline. A fault here is met again, and
-        counted once, in :meth:`on_failure`."""
+    def _started(self, subject: object, span_of: Callable[[], _Span], exc: BaseException,
+                 deadline: Deadline) -> tuple[str, str] | None:
+        """(trace_id, span_id) in hex of the span when it is sampled, else None: starts the span and waits for
+        its start until the failure's deadline. A fault here is met again, and counted once, in ``_finish``."""
         try:
-            emission = self._begin(diagnosis, exc, deadline)
+            emission = self._begin(subject, span_of, exc, deadline)
         except Exception:
             return None
         emission.started.wait(emission.remaining())
         return emission.ids
+
+    def start_failure(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> tuple[str, str] | None:
+        """The failed load's span started (see :meth:`_started`)."""
+        return self._started(diagnosis, lambda: _failure_span(diagnosis), exc, deadline)
 
     def start_exception(self, failure: OffloadException, exc: BaseException,
                         deadline: Deadline) -> tuple[str, str] | None:
         """As :meth:`start_failure`, for an exception at the connector's boundary."""
-        try:
-            emission = self._begin(failure, exc, deadline, self._emit_exception)
-        except Exception:
-            return None
-        emission.started.wait(emission.remaining())
-        return emission.ids
+        return self._started(failure, lambda: _exception_span(failure), exc, deadline)
 
     def on_exception(self, event: ExceptionEvent) -> None:
         """As :meth:`on_failure`: the span ``kv_offload.<method>``, exported by the deadline."""
-        self._finish(self._begin(event.failure, event.exc, event.deadline or Deadline(FAILURE_WAIT_S),
-                                 self._emit_exception))
+        failure = event.failure
+        self._finish(self._begin(failure, lambda: _exception_span(failure), event.exc,
+                                 event.deadline or Deadline(FAILURE_WAIT_S)))
 
     def on_failure(self, event: FailureEvent) -> None:
         """Emit and flush the span on a helper thread (begun by :meth:`start_failure`, else now);
         wait until the failure's deadline, which the other sinks share."""
-        self._finish(self._begin(event.diagnosis, event.exc, event.deadline or Deadline(FAILURE_WAIT_S)))
+        diagnosis = event.diagnosis
+        self._finish(self._begin(diagnosis, lambda: _failure_span(diagnosis), event.exc,
+                                 event.deadline or Deadline(FAILURE_WAIT_S)))
 
     def _finish(self, emission: _Emission) -> None:
         self._current = None
@@ -295,65 +337,26 @@ class TracingSink(Sink):
             raise emission.errors[0]
 
     def _emit(self, emission: _Emission) -> None:
+        """Start the span, publish its ids, fill it, end it and flush the provider within the deadline."""
         from kvobs import __version__
 
-        diagnosis, exc = emission.diagnosis, emission.exc
+        content = emission.span_of()
         provider = self._provider()
         tracer = provider.get_tracer("kvobs", __version__)
-        parent = parent_context(diagnosis.failure.trace_headers)
-        span = tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.INTERNAL)
+        span = tracer.start_span(content.name, context=content.parent, kind=trace.SpanKind.INTERNAL)
         try:
             context = span.get_span_context()
             if context.is_valid and context.trace_flags.sampled:
                 emission.ids = (trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id))
             emission.started.set()
-            span.set_attribute(REQUEST_ID, diagnosis.failure.req_id)
-            span.set_attribute("kv_offload.req_id", diagnosis.failure.req_id)
-            span.set_attribute("kv_offload.cause", diagnosis.cause)
-            span.set_attribute(ERROR_TYPE, diagnosis.cause)
+            span.set_attributes(content.attributes)
             if self.engine is not None:
                 span.set_attribute(ENGINE, self.engine)
             if self.model_name:
                 span.set_attribute(REQUEST_MODEL, self.model_name)
-            # Survive mode: vLLM recomputes the load, and the assertion never leaves kvobs.
-            span.set_attribute("kv_offload.recomputed", diagnosis.failure.recomputed)
-            span.record_exception(exc, escaped=not diagnosis.failure.recomputed)
-            span.add_event(EVENT_NAME, event_attributes(diagnosis))
-            span.set_status(Status(StatusCode.ERROR, f"{diagnosis.cause}: {diagnosis.failure.vllm_message[:200]}"))
-        finally:
-            span.end()
-        flush = getattr(provider, "force_flush", None)
-        if flush is not None:
-            flush(int(emission.remaining() * 1000))
-
-    def _emit_exception(self, emission: _Emission) -> None:
-        from kvobs import __version__
-
-        failure: OffloadException = emission.diagnosis
-        provider = self._provider()
-        tracer = provider.get_tracer("kvobs", __version__)
-        span = tracer.start_span(EXCEPTION_SPAN_PREFIX + failure.method, context=Context(),
-                                 kind=trace.SpanKind.INTERNAL)
-        try:
-            context = span.get_span_context()
-            if context.is_valid and context.trace_flags.sampled:
-                emission.ids = (trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id))
-            emission.started.set()
-            span.set_attribute("kv_offload.cause", failure.cause)
-            span.set_attribute(ERROR_TYPE, failure.cause)
-            span.set_attribute("kv_offload.side", failure.side)
-            span.set_attribute("kv_offload.method", failure.method)
-            span.set_attribute("kv_offload.req_ids", [str(r) for r in failure.req_ids[:MAX_SPAN_KEYS]])
-            if failure.req_ids:
-                span.set_attribute(REQUEST_ID, failure.req_ids[0])
-            if self.engine is not None:
-                span.set_attribute(ENGINE, self.engine)
-            if self.model_name:
-                span.set_attribute(REQUEST_MODEL, self.model_name)
-            span.record_exception(emission.exc, escaped=True)
-            span.add_event(SITE_EVENT, exception_attributes(failure))
-            span.set_status(Status(StatusCode.ERROR, f"{failure.cause} at {failure.label}: "
-                                                     f"{failure.vllm_message[:200]}"))
+            span.record_exception(emission.exc, escaped=content.escaped)
+            span.add_event(content.event, content.event_attributes)
+            span.set_status(Status(StatusCode.ERROR, content.status))
         finally:
             span.end()
         flush = getattr(provider, "force_flush", None)
