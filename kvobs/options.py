@@ -79,6 +79,11 @@ def flight_bytes_range() -> tuple[int, int]:
     """What ``flight_bytes`` may be: a bundle's reader bounds the window it unpacks by the writer's
     (kvobs.vllm.bundle_replay)."""
     return _INT_RANGES["flight_bytes"]
+
+
+def smallest(name: str) -> int:
+    """The smallest value the integer option ``name`` may take (benchmarks/soak.py's ``--smallest-bounds``)."""
+    return _INT_RANGES[name][0]
 _BOOLS = ("vllm_metrics", "survive")
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 

@@ -33,7 +33,7 @@ def test_a_short_soak_with_defects_keeps_memory_disk_and_counts_bounded_and_righ
 ) -> None:
     duration = os.environ.get(DURATION_ENV, "10m")
     args = main_args(["--engine-python", str(engine_python), "--duration", duration, "--defects",
-                      "--out", str(tmp_path / "soak")])
+                      "--smallest-bounds", "--out", str(tmp_path / "soak")])
     results = soak(args)
     report(results)  # the soak's table and checks, shown with -s or when the test fails
     failed = [f"{c['name']}: {c['detail']}" for c in results["checks"] if not c["ok"]]

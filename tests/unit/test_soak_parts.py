@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from benchmarks.soak import expected_cause, parse_duration
-from benchmarks.soak_checks import flat, slope_per_hour
+from benchmarks.soak_checks import flat, slope_interval_per_hour, slope_per_hour
 from benchmarks.soak_workload import KINDS, actions
 
 
@@ -45,6 +45,29 @@ def test_growth_beyond_the_baseline_and_the_allowance_fails() -> None:
     assert figures["fitted_growth_mib"] == pytest.approx(36.0) and figures["allowed_growth_mib"] == 16.0
     short, _ = flat("x", [0, 60, 120], [0, 5, 10], bound_mib_per_hour=8, noise_mib=16)
     assert short.ok  # 300 MiB/h, but 10 MiB over 2 minutes: within the noise a short run cannot resolve
+
+
+def test_the_slopes_interval_holds_the_slope_and_closes_on_a_line() -> None:
+    assert slope_interval_per_hour([0, 60, 120, 180], [0, 1, 2, 3]) == pytest.approx((60.0, 60.0))
+    noisy = [900 + 7 * ((i * 5) % 3) for i in range(12)]
+    low, high = slope_interval_per_hour([40 * i for i in range(12)], noisy)
+    assert low < slope_per_hour([40 * i for i in range(12)], noisy) < high
+    assert slope_interval_per_hour([5], [1]) == (0.0, 0.0)
+
+
+def test_the_workers_drift_of_a_ci_run_is_not_a_leak_but_a_steady_one_is() -> None:
+    """The 10-minute soak of CI (2026-12-06): EngineCore + worker, kvobs and bare, after warm-up. The point
+    estimate of the growth beyond bare is over the allowance; the samples do not show it with 95% confidence
+    (kvobs ended 3 MiB above bare, after starting 9 below: the workers' swings)."""
+    times = [173, 217, 256, 295, 328, 361, 416, 458, 504, 542, 590, 606]
+    kvobs = [1680, 1709, 1723, 1738, 1753, 1755, 1786, 1790, 1793, 1800, 1807, 1808]
+    bare = [1689, 1724, 1730, 1747, 1763, 1778, 1790, 1795, 1796, 1796, 1805, 1805]
+    check, figures = flat("x", times, kvobs, bound_mib_per_hour=8, noise_mib=16, baseline_mib=bare)
+    assert figures["fitted_growth_mib"] > figures["allowed_growth_mib"] >= figures["growth_low_mib"]
+    assert check.ok and "95%" in check.detail
+    leak, figures = flat("x", times, [v + 0.05 * (t - times[0]) for v, t in zip(kvobs, times, strict=True)],
+                         bound_mib_per_hour=8, noise_mib=16, baseline_mib=bare)
+    assert not leak.ok and figures["growth_low_mib"] > 16  # 3 MiB a minute more, on top of the same drift
 
 
 def test_durations() -> None:
