@@ -38,11 +38,16 @@ COMMENT = f"""\
 # failure-time gauges), not when this Prometheus saw a counter move, and keep firing for {KEEP_FIRING} through
 # a sidecar restart or scrape gap (keep_firing_for), so neither resolves falsely nor pages twice.
 #
+# An exception that left vLLM's offloading code (an assertion or error other than the failed load kvobs
+# explains) warns at once (KvobsOffloadException, one alert an engine, for an hour; the description lists
+# its sites and causes): like one failed load it normally takes the EngineCore down once.
+#
 # Warnings that one event would raise wait with "for:" (each expression looks at a window and must hold
-# for longer); the events worth a warning at once (a failure, a lost report, skipped journal lines) fire
-# at once. kvobs watches itself: KvobsNotObserving, KvobsUnavailable, KvobsSidecarReadsNoEngine, KvobsSidecarCannotRead,
-# KvobsSidecarSkipping, KvobsSidecarInternalErrors and KvobsVersionSkew say when kvobs went blind, so that
-# the other alerts' silence means "nothing happened", not "nothing was seen".
+# for longer); the events worth a warning at once (a failure, a lost report, an offload exception, skipped
+# journal lines) fire at once. kvobs watches itself: KvobsNotObserving, KvobsUnavailable,
+# KvobsSidecarReadsNoEngine, KvobsSidecarCannotRead, KvobsSidecarSkipping, KvobsSidecarInternalErrors and
+# KvobsVersionSkew say when kvobs went blind, so that the other alerts' silence means "nothing happened",
+# not "nothing was seen".
 """
 
 
@@ -54,6 +59,19 @@ def _causes(config: Config, metric: str) -> str:
     query = f'printf "({metric}{{{matchers}}} > 0) > time() - {FAILURE_WINDOW_S}" {args}'
     return (f"{{{{ range $i, $s := query ({query}) | sortByLabel \"cause\" }}}}{{{{ if $i }}}}, {{{{ end }}}}"
             "{{ $s.Labels.cause }}{{ end }}")
+
+
+def _sites(config: Config, metric: str, since: str) -> str:
+    """A template listing, sorted, ``site (cause)`` of each of the engine's series of the counter ``metric``
+    (labels site and cause) that moved within the hour, counted as the alert counts them
+    (:meth:`Counts.counted` from ``since``). The engine's matchers index printf's arguments (``%[1]q``):
+    the count reads the series several times."""
+    matchers = ",".join(f"{label}=%[{i}]q" for i, label in enumerate(config.identity, 1))
+    args = " ".join(f"$labels.{label}" for label in config.identity)
+    moved = config.counts.counted(metric, matchers, "1h", since)
+    query = f'printf "sum by (site, cause) ({moved}) > 0" {args}'
+    return (f"{{{{ range $i, $s := query ({query}) | sortByLabel \"site\" }}}}{{{{ if $i }}}}, {{{{ end }}}}"
+            "{{ $s.Labels.site }} ({{ $s.Labels.cause }}){{ end }}")
 
 
 def rules(config: Config) -> dict[str, Any]:
@@ -74,6 +92,8 @@ def rules(config: Config) -> dict[str, Any]:
     hour_ago = f"(time() - {FAILURE_WINDOW_S})"
     report_errors = counts.counted(errors, report, "1h", hour_ago)
     recompute_alarms = counts.counted(m("kvobs_recompute_alarms", "total"), "", "1h", hour_ago)
+    exceptions = m("kvobs_offload_exceptions", "total")
+    offload_exceptions = counts.counted(exceptions, "", "1h", hour_ago)
 
     def alert(name: str, expr: str, severity: str, summary: str, description: str, *,
               for_: str | None = None, keep_firing_for: str | None = None) -> dict[str, Any]:
@@ -128,6 +148,24 @@ def rules(config: Config) -> dict[str, Any]:
               f"failed load is counted in {failures}, but KvobsLoadFailure and "
               "KvobsLoadFailuresRepeated read the reports and do not fire for it, and /api/v1/failures does not "
               "have it. The engine's log has the assertion.",
+              keep_firing_for=KEEP_FIRING),
+        # An exception that left vLLM's offloading code through kvobs's connector (kvobs/vllm/boundary.py;
+        # docs/vllm.md, "Other offload exceptions"), other than the failed load kvobs explains (that one is
+        # kvobs_load_failures_total and the alerts above). Warning, not critical: like one failed load it
+        # normally takes the EngineCore down once and the engine restarts; the convention (COMMENT) pages
+        # on a repeat (KvobsLoadFailuresRepeated), not on one death. Counted as KvobsFailureReportLost
+        # counts (dashboards/promql.py): an engine that died before its first scrape still warns.
+        alert("KvobsOffloadException",
+              f"sum by ({engine}) ({offload_exceptions}) > 0",
+              "warning",
+              "An exception left vLLM's KV offloading code on engine {{ $labels.engine }} of "
+              "{{ $labels.model_name }}.",
+              f"On {at}, {{{{ $value }}}} exceptions left vLLM's offloading code in the last hour ({exceptions}), "
+              "at: " + _sites(config, exceptions, hour_ago) + ". Not the failed load kvobs explains "
+              "(KvobsLoadFailure): an assertion or error of vLLM's own, which normally takes the EngineCore "
+              "down. The failure report (site, expression, the requests involved) is at the sidecar's "
+              "/api/v1/failures; kvobs explain reads the engine's log (its traceback or kvobs's \"kv offload "
+              "exception at\" line).",
               keep_firing_for=KEEP_FIRING),
         alert("KvobsNearMissesRising",
               f"sum by ({engine}) (increase({m('kvobs_hits_evicted_before_load', 'total')}[10m])) > 10",

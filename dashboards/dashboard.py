@@ -208,6 +208,17 @@ def panels(config: Config) -> list[Spec]:
                           Query(count_step(m("kvobs_recompute_alarms", "total"), per_engine),
                                 "alarm: {{model_name}} engine {{engine}}")],
                          ds, unit="short", bars=True),
+        timeseries_panel(50, "Offload exceptions by site",
+                         "Exceptions that left vLLM's offloading code through kvobs's connector, per step, by site "
+                         "(vLLM's file:function) and cause (vllm_assertion, vllm_exception), each in exactly one "
+                         "step: not the failed load kvobs explains (the panels above), but an assertion or error of "
+                         "vLLM's own, which normally takes the EngineCore down (alert KvobsOffloadException; "
+                         "docs/vllm.md, \"Other offload exceptions\"). Details: the sidecar's /api/v1/failures, and "
+                         "kvobs explain on the engine's log. Hidden while none happened. "
+                         + SIDECAR_ONLY.format(m("kvobs_offload_exceptions", "total")),
+                         [Query(count_step(m("kvobs_offload_exceptions", "total"), "site, cause"),
+                                "{{site}} · {{cause}}")],
+                         ds, unit="short", bars=True, stack=True, w=24),
 
         row(14, "Evictions"),
         timeseries_panel(15, "Eviction rate by reason",

@@ -56,6 +56,9 @@ an AssertionError, or any other exception. A taxonomy of its own, not :data:`CAU
 missing key, and label ``kvobs_load_failures``); the ``cause`` label of ``kvobs_offload_exceptions`` and the
 ``cause`` of such a failure report. A failed ``prepare_load`` kvobs explained keeps its :data:`CAUSES` cause."""
 assert not set(EXCEPTION_CAUSES) & set(CAUSES)
+REPORT_CAUSES: tuple[str, ...] = CAUSES + EXCEPTION_CAUSES
+"""Every cause a failure report names: a failed load's, or an exception's at the boundary (the sidecar's
+``/api/v1/failures?cause=`` filters by these)."""
 
 STAGES: tuple[str, ...] = (
     "record.removal",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-from kvobs.codes import CAUSES
+from kvobs.codes import REPORT_CAUSES
 from kvobs.wire.format import (
     ENGINE_LABEL_RULE,
     MAX_MODEL_NAME,
@@ -69,8 +69,8 @@ def _model_name(text: str) -> str:
 
 
 def _cause(text: str) -> str:
-    if text not in CAUSES:
-        raise ValueError(f"must be one of {', '.join(CAUSES)}")
+    if text not in REPORT_CAUSES:
+        raise ValueError(f"must be one of {', '.join(REPORT_CAUSES)}")
     return text
 
 

@@ -216,6 +216,12 @@ def test_a_real_vllm_assertion_is_named_with_its_expression(tmp_path: Path) -> N
                            ("vllm_assertion", "v1/offloading_connector.py:start_load_kv"): 1}
         assert not [f for f in KvobsCollector(ingest).collect() if f.name == "kvobs_load_failures"
                     and any(s.labels.get("cause") == "vllm_assertion" for s in f.samples)]
+        # /api/v1/failures filters it by its cause (the alert KvobsOffloadException's runbook asks for it).
+        from kvobs.sidecar.server import FailureQuery, failure_page
+
+        (served,), _ = failure_page(tmp_path / "failures", FailureQuery.parse("cause=vllm_assertion"))
+        assert served["site"]["function"] == "start_load_kv"
+        assert failure_page(tmp_path / "failures", FailureQuery.parse("cause=vllm_exception")) == ([], None)
     finally:
         scheduler.shutdown()
 

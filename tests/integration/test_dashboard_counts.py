@@ -57,8 +57,8 @@ def step_at(after: int) -> str:
 def one_failure() -> list[dict[str, str]]:
     """One failed load (cause evicted_after_lookup, one missing chunk of group 0, evicted 0.3 s before;
     recomputed by survive mode, with an alarm), one capacity eviction of a chunk resident for 2 s, on
-    both paths; steady evictions and near misses (1 a second) on both paths; the sidecar's build info,
-    its polls and the engine's start (at 0, before the first scrape)."""
+    both paths; one offload exception (sidecar only); steady evictions and near misses (1 a second) on both
+    paths; the sidecar's build info, its polls and the engine's start (at 0, before the first scrape)."""
     inputs = [series("kvobs_build_info", {**SIDECAR, "version": "0.1.0", "vllm_version": "0.33.0",
                                           "hot_path": "compiled"}, f"1x{SAMPLES - 1}"),
               series(ENGINE_START, SIDECAR, f"0x{SAMPLES - 1}"),
@@ -75,6 +75,13 @@ def one_failure() -> list[dict[str, str]]:
     # Survive mode's counters (sidecar only): that failure recomputed, and the alarm it raised.
     for counter in ("kvobs_recomputed_loads_total", "kvobs_recompute_alarms_total"):
         inputs.append(series(counter, SIDECAR, step_at(1)))
+    # An exception that left vLLM's offloading code at the same scrape (sidecar only), and the counter's
+    # pre-initialised series of the other cause (site "").
+    inputs.append(series("kvobs_offload_exceptions_total",
+                         {**SIDECAR, "cause": "vllm_assertion", "site": "v1/kv_offload/cpu/manager.py:prepare_store"},
+                         step_at(1)))
+    inputs.append(series("kvobs_offload_exceptions_total", {**SIDECAR, "cause": "vllm_exception", "site": ""},
+                         f"0x{SAMPLES - 1}"))
     for le, hit in (("0.1", 0), ("0.5", 1), ("+Inf", 1)):
         inputs.append(series("kvobs_missing_chunk_eviction_age_seconds_bucket", {**SIDECAR, "group": "0", "le": le},
                              step_at(hit)))

@@ -28,7 +28,7 @@ from schemathesis.checks import (
 from schemathesis.core.result import Ok
 
 from kvobs.bundles import BUNDLE_DIR, BUNDLE_SUFFIX
-from kvobs.codes import CAUSES
+from kvobs.codes import REPORT_CAUSES
 from kvobs.sidecar.query import MAX_FAILURES
 from kvobs.sidecar.server import OPENAPI_PATH
 from kvobs.wire.format import ENGINE_LABEL, FAILURES_DIR
@@ -65,7 +65,7 @@ def test_the_document_is_served_and_names_every_endpoint_the_server_lists(sideca
     assert listed | {"/"} == set(document["paths"])
     # The rules the document repeats are the code's (kvobs.sidecar.query, kvobs.wire.format, kvobs.codes).
     params = {p["name"]: p["schema"] for p in document["paths"]["/api/v1/failures"]["get"]["parameters"]}
-    assert params["cause"]["items"]["enum"] == list(CAUSES)
+    assert params["cause"]["items"]["enum"] == list(REPORT_CAUSES)
     assert (params["limit"]["minimum"], params["limit"]["maximum"]) == (1, MAX_FAILURES)
     assert params["engine"]["items"]["pattern"] == f"^{ENGINE_LABEL.pattern}$"
     assert re.fullmatch(params["before"]["pattern"].strip("^$"), "001796583651389-dp0-1-2")

@@ -270,7 +270,8 @@ def test_the_panels_operators_need_are_there(path: Path) -> None:
         "kvobs_missing_chunks_total", "kvobs_hits_evicted_before_load_total",
         "kvobs_missing_chunk_eviction_age_seconds_bucket", "kvobs_sidecar_records_total",
         "kvobs_sidecar_last_poll_timestamp_seconds", "kvobs_engine_last_record_timestamp_seconds",
-        "kvobs_dropped_records_total", "kvobs_internal_errors_total", "kvobs_build_info",
+        "kvobs_dropped_records_total", "kvobs_internal_errors_total", "kvobs_offload_exceptions_total",
+        "kvobs_build_info",
         "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_store_bytes_total",
     ):
         assert metric in text, metric
@@ -315,7 +316,7 @@ def test_alerts_follow_the_mixin_conventions() -> None:
     rules = alerts()
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names))
-    for required in ("KvobsLoadFailure", "KvobsLoadFailuresRepeated", "KvobsNearMissesRising",
+    for required in ("KvobsLoadFailure", "KvobsLoadFailuresRepeated", "KvobsOffloadException", "KvobsNearMissesRising",
                      "KvobsHistoryWindowTooShort", "KvobsSidecarDown", "KvobsSidecarAbsent", "KvobsRecordsDropped",
                      *SELF_WATCH):
         assert required in names
@@ -364,8 +365,9 @@ def test_alerts_keep_clusters_apart_and_warnings_wait() -> None:
     assert groupings >= len(expressions) - 6  # the six alerts on the sidecar's own series alone
     for rule in alerts():
         if rule["labels"]["severity"] == "critical" or rule["alert"] in (
-                "KvobsLoadFailure", "KvobsFailureReportLost", "KvobsSidecarSkipping"):
-            continue  # one failed load (with or without its report), one skipped line: the event to warn about
+                "KvobsLoadFailure", "KvobsFailureReportLost", "KvobsOffloadException", "KvobsSidecarSkipping"):
+            continue  # one failed load (with or without its report), one offload exception, one skipped line:
+            # the event to warn about
         if rule["alert"] == "KvobsRecomputesKeepHappening":
             continue  # the engine's alarm is that event: it already waited for an hour's recomputes
         assert "for" in rule, f"{rule['alert']}: a warning without for"
