@@ -52,6 +52,7 @@ PER_FAILURE = {
     "kvobs_stored_chunks_total": 0, "kvobs_loaded_chunks_total": 0,  # no tier store or load of its own
     "kvobs_stored_bytes_total": 0, "kvobs_loaded_bytes_total": 0,
     "kvobs_written_chunks_total": 0, "kvobs_read_once_chunks_total": 0,  # nothing written by any path either
+    "kvobs_offload_exceptions_total": 0,  # the failed load kvobs explains is not an exception at the boundary
 }
 STEPS = (1, 5)  # Grafana's step (``$__interval``): the scrape interval, and longer
 SETTLE_S = 3.0  # a boundary this far from every event: its journal flush, the sidecar's poll, a scrape
