@@ -7,7 +7,11 @@ key -> time costs ~150 bytes a key). Here a key costs 8 bytes:
 * a key ring of ``capacity`` slots holding a 32-bit fingerprint of the key and
   the 32-bit serial of the batch that removed it (numpy ``uint32`` arrays);
 * a batch ring (``capacity // 4`` slots, at least 1024) holding, per removal
-  batch, its monotonic time, reason, path and the request that caused it.
+  batch, its monotonic time, reason, path and the request that caused it, as the 32-bit ordinal of
+  its id in a ring of the last ``REQUEST_IDS`` distinct request ids (their UTF-8 bytes, copies): the
+  history keeps no reference to vLLM's objects, and what the ids take is bounded and counted in
+  :meth:`EvictionHistory.nbytes`. A batch whose request fell out of that ring keeps its time, reason and
+  path and loses its request id (issue 43, item 4).
 
 Recording takes whole runs of batches, column by column, as the recorder queued them
 (``kvobs.hot_path_loader.RemovalRun``), and folds them into the rings in vectorised steps once
@@ -35,6 +39,11 @@ import numpy as np
 from kvobs.codes import PATHS, REASONS, unpack_flags
 
 _MIN_BATCHES = 1024
+REQUEST_IDS = 8_192
+"""Distinct request ids the history remembers (at most; fewer with fewer batch slots)."""
+_ID_BYTES_OVERHEAD = 33 + 8 + 100
+"""Estimated bytes one remembered id costs beyond its UTF-8 length: the bytes object's header, its ring
+slot and its entry in the index (a dict entry and its share of the table)."""
 _FLUSH_AT_KEYS = 4096
 _PREFILTER_KEYS = 4  # queries of at least this many keys over a ring of at least
 _PREFILTER_RING = 65_536  # this many keys scan the ring once (see last_removals)
@@ -83,11 +92,16 @@ class EvictionHistory:
         self._keys_written = 0
         self._batch_time = np.zeros(self.batch_capacity, dtype=np.float64)
         self._batch_flags = np.zeros(self.batch_capacity, dtype=np.uint8)
-        self._batch_req: list[str | None] = [None] * self.batch_capacity
+        self._batch_req = np.zeros(self.batch_capacity, dtype=np.uint32)  # request ordinals, 0: none
+        self.request_ids = min(REQUEST_IDS, self.batch_capacity)
+        self._id_of_ordinal: list[bytes | None] = [None] * self.request_ids  # slot: ordinal % request_ids
+        self._ordinal_of_id: dict[bytes, int] = {}
+        self._next_ordinal = 1
+        self._id_bytes = 0
         self._batches_folded = 0
         self._next_serial = 0
         # Runs handed over by record_columns, folded into the rings in vectorised steps.
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str | None]]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._pending_keys = 0
 
     @property
@@ -121,9 +135,8 @@ class EvictionHistory:
             raise ValueError(f"batch serial {first_serial} where the history expects {self._next_serial}")
         if not (n == len(batch_times) == len(batch_flags) == len(reqs)) or int(batch_counts.sum()) != len(key_hashes):
             raise ValueError("removal columns of different lengths")
-        self._pending.append(
-            (key_hashes.copy(), batch_counts.copy(), batch_times.copy(), batch_flags.copy(), list(reqs))
-        )
+        ordinals = np.fromiter(map(self._ordinal, reqs), dtype=np.uint32, count=n)
+        self._pending.append((key_hashes.copy(), batch_counts.copy(), batch_times.copy(), batch_flags.copy(), ordinals))
         self._pending_keys += len(key_hashes)
         self._next_serial = first_serial + n
         if self._pending_keys >= _FLUSH_AT_KEYS:
@@ -141,7 +154,7 @@ class EvictionHistory:
             counts = np.concatenate([p[1] for p in parts])
             times = np.concatenate([p[2] for p in parts])
             flags = np.concatenate([p[3] for p in parts])
-            reqs = [req for p in parts for req in p[4]]
+            reqs = np.concatenate([p[4] for p in parts])
         n = len(counts)
         first_serial = self._batches_folded
         bcap = self.batch_capacity
@@ -197,8 +210,38 @@ class EvictionHistory:
             time=float(self._batch_time[slot]),
             reason=REASONS[reason],
             path=PATHS[path],
-            req_id=self._batch_req[slot],
+            req_id=self._request_id(int(self._batch_req[slot])),
         )
+
+    def _ordinal(self, req_id: str | None) -> int:
+        """The ordinal of ``req_id`` among the remembered ids (a new one, the oldest forgotten, when it is not
+        remembered); 0 for none."""
+        if req_id is None:
+            return 0
+        data = req_id.encode("utf-8", "surrogatepass")
+        ordinal = self._ordinal_of_id.get(data)
+        if ordinal is not None:
+            return ordinal
+        ordinal = self._next_ordinal
+        self._next_ordinal = ordinal % 0xFFFFFFFF + 1  # uint32, never 0
+        slot = ordinal % self.request_ids
+        forgotten = self._id_of_ordinal[slot]
+        if forgotten is not None:
+            del self._ordinal_of_id[forgotten]
+            self._id_bytes -= len(forgotten)
+        self._id_of_ordinal[slot] = data
+        self._ordinal_of_id[data] = ordinal
+        self._id_bytes += len(data)
+        return ordinal
+
+    def _request_id(self, ordinal: int) -> str | None:
+        """The id of ordinal ``ordinal``; None for none, or once it is forgotten."""
+        if ordinal == 0:
+            return None
+        data = self._id_of_ordinal[ordinal % self.request_ids]
+        if data is None or self._ordinal_of_id.get(data) != ordinal:
+            return None
+        return data.decode("utf-8", "surrogatepass")
 
     def removal_at(self, serial: int) -> Removal | None:
         """The batch with this serial, if the history still holds its details."""
@@ -323,11 +366,13 @@ class EvictionHistory:
         return low
 
     def nbytes(self) -> int:
-        """Bytes held by the rings (the request-id strings are shared, not counted)."""
+        """Bytes held by the rings and the remembered request ids (their headers and index estimated)."""
         return (
             self._key_fp.nbytes
             + self._key_serial.nbytes
             + self._batch_time.nbytes
             + self._batch_flags.nbytes
-            + 8 * len(self._batch_req)
+            + self._batch_req.nbytes
+            + self._id_bytes
+            + _ID_BYTES_OVERHEAD * len(self._ordinal_of_id)
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tracemalloc
 
 import pytest
@@ -188,3 +189,39 @@ def test_queries_and_stats_match_a_plain_model_past_both_rings(batch_sizes: tupl
         got = [None if r is None else (r.time, r.req_id) for r in history.last_removals(query[:size])]
         assert got == [model.last(k) for k in query[:size]]
     assert any(r is not None for r in history.last_removals(query))
+
+
+def test_the_history_keeps_no_reference_to_the_request_ids_it_was_given() -> None:
+    """Issue 43, item 4: a batch keeps its request as an ordinal into the history's own copies, so vLLM's
+    request-id strings are not kept alive by it, and what the copies take is counted."""
+    history = EvictionHistory(4096)
+    req_id = "".join(["cmpl-", "f" * 40, "-0"])  # made at run time: no interned constant
+    before = sys.getrefcount(req_id)
+    batch = keys(2)
+    record_batch(history, batch, CAPACITY, STORE, req_id, now=1.0)
+    history.stats()  # folds what is pending
+    assert sys.getrefcount(req_id) == before
+    (removal,) = history.last_removals(batch[:1])
+    assert removal is not None and removal.req_id == req_id and removal.req_id is not req_id
+    empty = EvictionHistory(4096).nbytes()
+    assert history.nbytes() >= empty + len(req_id)
+
+
+def test_request_ids_beyond_the_remembered_are_forgotten_and_the_rest_kept() -> None:
+    history = EvictionHistory(4096)  # 1,024 batch slots: as many ids remembered
+    assert history.request_ids == 1024
+    serials = [record_batch(history, keys(1), CAPACITY, STORE, f"req-{i}\udcff", now=float(i)) for i in range(1500)]
+    oldest_kept = history.removal_at(serials[-1024])
+    assert oldest_kept is not None and oldest_kept.req_id == f"req-{1500 - 1024}\udcff"  # a lone surrogate too
+    assert history.removal_at(serials[0]) is None  # its batch slot was reused
+    repeated = record_batch(history, keys(1), CAPACITY, STORE, "req-1499\udcff", now=2000.0)
+    again = history.removal_at(repeated)
+    assert again is not None and again.req_id == "req-1499\udcff"
+    ids = EvictionHistory(2**20)
+    assert ids.request_ids == 8_192
+    for i in range(9_000):  # more distinct requests than remembered: the first ones' batches lose their id
+        record_batch(ids, keys(1), CAPACITY, STORE, f"r{i}", now=float(i))
+    first, last = ids.removal_at(0), ids.removal_at(8_999)
+    assert first is not None and first.req_id is None and first.reason == "capacity"
+    assert last is not None and last.req_id == "r8999"
+    assert len(ids._ordinal_of_id) == 8_192
