@@ -238,8 +238,9 @@ def engine_config(options: dict[str, Any] | None, tier_dir: Path, *, defects: bo
     )
 
 
-def start_engine(name: str, args: Any, model: Path, base: Path, core: int | None,
-                 kvobs_dir: Path | None, trigger: Path | None) -> Engine:
+def launch_engine(name: str, args: Any, model: Path, base: Path, core: int | None,
+                  kvobs_dir: Path | None, trigger: Path | None) -> Engine:
+    """The engine's ``vllm serve`` launched, not yet healthy (the two engines load side by side)."""
     tier_dir = base / f"{name}-files"
     extra = ["--speculative-config", json.dumps(SPECULATIVE)] if args.speculative else []
     env = {"OMP_NUM_THREADS": "1", **({"VLLM_CPU_OMP_THREADS_BIND": str(core)} if core is not None else {}),
@@ -249,7 +250,7 @@ def start_engine(name: str, args: Any, model: Path, base: Path, core: int | None
                                                          tier_dir, defects=trigger is not None),
                         served_model_name=SERVED, extra_args=extra, python_path=(ROOT,), env=env,
                         engine_blocks=ENGINE_BLOCKS)
-    return Engine(name, server.start(), tier_dir)
+    return Engine(name, server.launch(), tier_dir)
 
 
 @dataclass
@@ -339,10 +340,12 @@ def soak(args: Any) -> dict[str, Any]:
     try:
         _wait_until_up(sidecar, sidecar_url, kvobs_dir)
         for i, name in enumerate(("kvobs", "bare")):
-            engines.append(start_engine(name, args, model, base, cores[i % len(cores)] if len(cores) > 1 else None,
-                                        kvobs_dir if name == "kvobs" else None,
-                                        trigger if name == "kvobs" else None))
-            print(f"started {name} (log {engines[-1].server.log_path})", flush=True)
+            engines.append(launch_engine(name, args, model, base, cores[i % len(cores)] if len(cores) > 1 else None,
+                                         kvobs_dir if name == "kvobs" else None,
+                                         trigger if name == "kvobs" else None))
+        for engine in engines:
+            engine.server.wait_healthy()
+            print(f"started {engine.name} (log {engine.server.log_path})", flush=True)
         kvobs_engine, bare_engine = engines
         first = {e.name: probe(e) for e in engines}
         traffic = Traffic({e.name: e.server for e in engines}, args.seed, stop, held)

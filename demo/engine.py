@@ -137,6 +137,12 @@ class VllmServer:
         return env
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> VllmServer:
+        """Launch ``vllm serve`` and wait until it is healthy."""
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> VllmServer:
+        """Start ``vllm serve`` without waiting for it (:meth:`wait_healthy`): engines started side by side
+        load at once."""
         if self.proc is not None:
             raise RuntimeError(f"vllm serve on port {self.port} was started already")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +152,13 @@ class VllmServer:
             cwd=str(self.log_path.parent), start_new_session=True,  # its own process group: stop() ends all of it
         )
         log.close()
+        return self
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> VllmServer:
+        """Wait until the launched server answers ``/health``; stopped, and an error naming its log, if it exits
+        or does not answer within ``timeout``."""
+        if self.proc is None:
+            raise RuntimeError(f"vllm serve on port {self.port} was not launched")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
