@@ -1,7 +1,8 @@
 """A defect injected into a real engine's offload manager, for ``kvobs demo --serve`` and tests/engine.
 
 Never configure it in production: it exists to make a real ``vllm serve`` die the way vLLM #50014
-kills engines, on demand (loaded by vLLM as kvobs's inner spec, ``demo.defects``).
+kills engines, or with an exception out of a lookup (``LookupRaisesSpec``), on demand (loaded by vLLM as
+kvobs's inner spec, ``demo.defects``).
 
 ``LookupEvictsSpec`` is kvobs's CPU copy spec (vLLM's ``CPUOffloadingSpec``, demo/cpu_worker.py)
 whose manager, once armed, does what a tiering promotion does inside ``lookup()`` in vLLM #50014: in
@@ -14,6 +15,7 @@ fires once.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -124,3 +126,25 @@ class LookupEvictsSpec(ArmedDefect, CPUCopyOffloadingSpec):
     reported (:func:`_arm_eviction_inside_lookup`); fires once."""
 
     arm = staticmethod(_arm_eviction_inside_lookup)
+
+
+def _arm_raise_in_lookup(manager: OffloadingManager, trigger: Path) -> None:
+    """Once armed, the next lookup raises ``OSError(EIO)``, as a tier whose storage failed would: an exception
+    out of the connector's ``get_num_new_matched_tokens`` (kvobs's boundary reports it; survive mode answers
+    no hit instead). Fires once."""
+    lookup = manager.lookup
+
+    def lookup_that_raises(key: OffloadKey, req_context: Any) -> LookupResult:
+        if trigger.exists():
+            trigger.rename(trigger.with_name(trigger.name + FIRED_SUFFIX))  # once
+            raise OSError(errno.EIO, "injected by demo.defects: the offload tier could not be read")
+        return lookup(key, req_context)
+
+    manager.lookup = lookup_that_raises  # type: ignore[method-assign]
+
+
+class LookupRaisesSpec(ArmedDefect, CPUCopyOffloadingSpec):
+    """kvobs's CPU copy spec whose manager, once armed, raises in the next lookup
+    (:func:`_arm_raise_in_lookup`); fires once."""
+
+    arm = staticmethod(_arm_raise_in_lookup)

@@ -22,6 +22,8 @@ LABEL_ROOM = 64 - max(map(len, EXCEPTION_CAUSES)) - 1
 (``kvobs.wire.format.MAX_SHORT_LABEL``, 64)."""
 MAX_MESSAGE = 2_000
 """Characters of the exception's own text kept."""
+SURVIVED = "computed instead (kvobs survive)"
+"""The end of the log line and message of an exception survive mode answered for (``OffloadException.recomputed``)."""
 
 
 def cause_of(exc: BaseException) -> str:
@@ -57,6 +59,9 @@ class OffloadException:
     not_recorded: Sequence[str] = ()
     """What the lifecycle does not hold (kvobs.lifecycle.NOT_RECORDED)."""
     time: float = 0.0
+    recomputed: bool = False
+    """Survive mode answered vLLM in its place (a lookup that raised reports no hit, so vLLM computes the
+    prefix itself): the exception never reached vLLM and the engine goes on."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -81,4 +86,5 @@ class OffloadException:
             raised = f"; raised at {self.raised_at.file}:{self.raised_at.line} in {self.raised_at.function}"
         return (f"{LOG_PREFIX} at {where}{said}{raised}; through the connector's {self.side}-side "
                 f"{self.method}; {self.exception_type}: {self.vllm_message[:300].replace(chr(10), chr(92) + 'n')}; "
-                f"requests: {list(self.req_ids)[:16]!r}; cause: {self.cause}; vLLM {self.releases.get('vllm', '?')}")
+                f"requests: {list(self.req_ids)[:16]!r}; cause: {self.cause}; vLLM {self.releases.get('vllm', '?')}"
+                + (f"; {SURVIVED}" if self.recomputed else ""))

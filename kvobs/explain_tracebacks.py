@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs.boundary import LOG_PREFIX
+from kvobs.boundary import LOG_PREFIX, SURVIVED
 from kvobs.sites import MAX_EXPRESSION
 
 OFFLOAD_CODE = (
@@ -264,6 +264,7 @@ class TracebackScanner:
                     cause = KVOBS_TAIL.match(tail, cause_at) if cause_at >= 0 else None
                     if cause is not None:
                         told["cause"], told["vllm"] = cause["cause"], cause["vllm"]
+                        told["recomputed"] = tail.rstrip().endswith(f"; {SURVIVED}")
         engine, when = self._where(text, line)
         entry = LoggedException(number, site["file"], site["function"], int(site["line"]), exc_type, message,
                                 expression[:MAX_EXPRESSION], statement, engine, when, kvobs=told)
@@ -398,6 +399,9 @@ def render(entries: list[LoggedException], not_shown: int, have_data: bool, sour
                        f"cause {told.get('cause')}, requests {told.get('req_ids', [])!r}"[:600])
             if told.get("raised_at"):
                 out.append(f"    raised at {told['raised_at']} (outside vLLM's package)")
+            if told.get("recomputed"):
+                out.append("    survived: kvobs survive answered vLLM in its place (no hit: vLLM computed the prefix); "
+                           "the engine went on")
         for report in entry.reports[:REPORTS_SHOWN]:
             requests = report.get("requests")
             req_ids = report.get("req_ids")

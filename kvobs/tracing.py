@@ -213,11 +213,11 @@ def _exception_span(failure: OffloadException) -> _Span:
     """An exception at the connector's boundary: ``kv_offload.<method>``, a trace of its own."""
     attributes: dict[str, Any] = {
         "kv_offload.cause": failure.cause, ERROR_TYPE: failure.cause, "kv_offload.side": failure.side,
-        "kv_offload.method": failure.method,
+        "kv_offload.method": failure.method, "kv_offload.recomputed": failure.recomputed,
         "kv_offload.req_ids": [str(r) for r in failure.req_ids[:MAX_SPAN_KEYS]]}
     if failure.req_ids:
         attributes[REQUEST_ID] = failure.req_ids[0]
-    return _Span(EXCEPTION_SPAN_PREFIX + failure.method, Context(), attributes, True, SITE_EVENT,
+    return _Span(EXCEPTION_SPAN_PREFIX + failure.method, Context(), attributes, not failure.recomputed, SITE_EVENT,
                  exception_attributes(failure), f"{failure.cause} at {failure.label}: {failure.vllm_message[:200]}")
 
 

@@ -84,17 +84,19 @@ class Boundary:
 
     # -- an exception leaving --------------------------------------------------------------
 
-    def left(self, method: str, exc: BaseException, args: tuple[Any, ...]) -> None:
-        """Report ``exc`` leaving ``method`` (its caller re-raises it). Never raises."""
+    def left(self, method: str, exc: BaseException, args: tuple[Any, ...], *, recomputed: bool = False) -> None:
+        """Report ``exc`` leaving ``method`` (its caller re-raises it; ``recomputed``: survive mode answers vLLM
+        instead, and the line is a WARNING). Never raises."""
         try:
             observer = self._observer()
             if any(e is exc for e in self.reported) or (
                     observer is not None and any(e is exc for e in observer.explained)):
                 return  # reported by an outer call, or explained as a failed load (its own report)
             self.reported.append(exc)
-            failure = self.failure(method, exc, args)
+            failure = self.failure(method, exc, args, recomputed=recomputed)
             self.count(failure, observer)
-            logger.error("%s", failure.message, extra={"kvobs_exception": _log_fields(failure)})
+            logger.log(logging.WARNING if recomputed else logging.ERROR, "%s", failure.message,
+                       extra={"kvobs_exception": _log_fields(failure)})
             if observer is not None:
                 observer.publish_exception(failure, exc)
             else:
@@ -109,7 +111,8 @@ class Boundary:
             elif self.faults == 1:
                 logger.error("kvobs internal error in boundary (counted, not raised): %r", fault)
 
-    def failure(self, method: str, exc: BaseException, args: tuple[Any, ...]) -> OffloadException:
+    def failure(self, method: str, exc: BaseException, args: tuple[Any, ...], *,
+                recomputed: bool = False) -> OffloadException:
         from kvobs import __version__
 
         site, raised_at = sites_of(exc, compat.VLLM_DIR)
@@ -120,7 +123,7 @@ class Boundary:
             vllm_message=str(exc)[:2_000], site=site, raised_at=raised_at, req_ids=req_ids,
             requests=[self.lifecycle.of(r) for r in req_ids[:MAX_REQUESTS]],
             events=self.lifecycle.recent_json(), releases={"vllm": compat.VLLM_VERSION, "kvobs": __version__},
-            not_recorded=NOT_RECORDED, time=time.time(),
+            not_recorded=NOT_RECORDED, time=time.time(), recomputed=recomputed,
         )
 
     def count(self, failure: OffloadException, observer: Observer | None) -> None:
@@ -161,6 +164,7 @@ def _log_fields(failure: OffloadException) -> dict[str, Any]:
             "file": None if site is None else site.file, "function": None if site is None else site.function,
             "line": None if site is None else site.line, "expression": None if site is None else site.expression,
             "req_ids": list(failure.req_ids[:MAX_REQUESTS]), "exception_type": failure.exception_type,
+            "recomputed": failure.recomputed,
             "vllm_version": failure.releases.get("vllm")}
 
 

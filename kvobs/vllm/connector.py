@@ -6,8 +6,9 @@ request's trace, and to label kvobs's series with the served model name
 (``--served-model-name``; the spec alone sees only the model path). With the ``survive`` option it
 also arms survive mode (kvobs/vllm/survive.py): it reports the blocks of a recomputed load to vLLM as
 failed loads (one KV cache group), or the request itself (several), the ways a connector tells vLLM's
-scheduler to recompute. Every exception leaving vLLM's code through its scheduler- and worker-side
-methods is reported before it propagates unchanged (kvobs/vllm/boundary.py). Everything else is vLLM's.
+scheduler to recompute; and answers "no hit" for a lookup that raised, so vLLM computes the prefix
+itself. Every exception leaving vLLM's code through its scheduler- and worker-side methods is reported
+before it propagates unchanged (kvobs/vllm/boundary.py). Everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvobs.options import OptionError
 from kvobs.vllm import compat
-from kvobs.vllm.boundary import guard
+from kvobs.vllm.boundary import boundary_of, guard
 from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, SURVIVED_REQUESTS_ATTRIBUTE, Survival, failed_blocks
 from kvobs.vllm.trace_context import TraceHeaders
 
@@ -59,8 +60,21 @@ class ObservedOffloadingConnector(OffloadingConnector):
     # -- survive mode: the scheduler's side -------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        matched = super().get_num_new_matched_tokens(request, *args, **kwargs)
         survival = self._kvobs_survival
+        try:
+            matched = super().get_num_new_matched_tokens(request, *args, **kwargs)
+        except Exception as exc:
+            if survival is None:
+                raise  # the guard reports it (boundary.py)
+            # Survive mode: no hit. The lookup made no transfer (a load job is made by update_state_after_alloc,
+            # which vLLM then calls with 0 external tokens), so vLLM computes the prefix itself: outputs as
+            # without offloading. Reported as at the boundary, at WARNING; counted as a recomputed load.
+            boundary_of(self).left("get_num_new_matched_tokens", exc, (request, *args), recomputed=True)
+            try:
+                survival.recomputed(0)  # no tokens: the lookup never said how many it would have loaded
+            except Exception as fault:  # kvobs's own: counted; the answer stands
+                survival.internal_error(fault)
+            return 0, False
         if survival is not None and request.request_id in survival.recomputed_requests:
             return 0, False  # a request recomputes once, then loads nothing more: no loop
         return matched

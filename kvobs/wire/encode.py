@@ -276,7 +276,7 @@ def exception_report(
         "group": None,
         "cause": failure.cause,
         "causes": {failure.cause: 1},
-        "recomputed": False,
+        "recomputed": failure.recomputed,
         "trace_id": None if trace is None else trace[0],
         "span_id": None if trace is None else trace[1],
         "num_keys": 0,

@@ -122,3 +122,52 @@ def test_a_hybrid_model_recomputes_whole_requests_and_every_output_equals_the_ru
     assert [(r["cause"], r["recomputed"]) for r in reports] == [("evicted_after_lookup", True)] * times_fired
     # (Loads that succeed are tests/engine/test_serve_more.py's; on 0.30 every load here is a defect's.)
     assert outputs == reference
+
+
+def test_a_lookup_that_raises_is_survived_and_every_output_equals_the_run_without_offloading(
+    engine_python: Path, tiny_llama: Path, reference_outputs: list[str], tmp_path: Path
+) -> None:
+    """Beyond prepare_load (issue 42): every other request's lookup raises (demo.defects.LookupRaisesSpec,
+    OSError EIO, as a tier whose storage failed; injected, since no supported release's own lookup is
+    known to raise). Without survive mode that exception leaves the connector and EngineCore dies
+    (tests/integration/test_survive.py checks it propagates unchanged); with it, kvobs reports the
+    exception at its site and answers "no hit", vLLM computes the prefix itself, and the engine serves on."""
+    directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
+    sidecar = Sidecar(directory).start()
+    config = offload_config(
+        kvobs_options={"dir": str(directory), "survive": True},
+        inner_spec="LookupRaisesSpec", inner_spec_module_path="demo.defects",
+        connector="ObservedOffloadingConnector", load_failure_policy="recompute",
+    )
+    server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
+                   served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
+    try:
+        outputs, times_fired = complete_with_the_defect_armed_every_other_request(server, REFERENCE_PROMPTS, trigger)
+        assert server.healthy(), "the engine stopped"
+        assert times_fired >= 2, f"the defect fired {times_fired} times"
+        assert outputs == reference_outputs
+        assert loaded_tokens(server) > 0, "the other requests still load from the CPU tier"
+
+        log = server.log()
+        assert "Traceback" not in log
+        lines = re.findall(r"^\(EngineCore\S* pid=\d+\) WARNING .* kv offload exception at (\S+) in (\w+) .*"
+                           r"get_num_new_matched_tokens; OSError: .* computed instead \(kvobs survive\)$", log, re.M)
+        assert len(lines) == times_fired and all(f.endswith("offloading/scheduler.py") for f, _ in {
+            (where.rsplit(":", 1)[0], fn) for where, fn in lines}), lines
+        reports = [json.loads(p.read_text()) for p in sorted((directory / "failures").glob("*.json"))]
+        assert [(r["cause"], r["method"], r["recomputed"]) for r in reports] == [
+            ("vllm_exception", "get_num_new_matched_tokens", True)] * times_fired
+
+        def counted() -> bool:
+            text = http_get(f"{sidecar.url}/metrics")[2].decode()
+            ident = (("engine", "0"), ("model_name", SERVED))
+            exceptions = samples(text, "kvobs_offload_exceptions")
+            return (samples(text, "kvobs_recomputed_loads").get(ident) == times_fired
+                    and sum(exceptions.values()) == times_fired)
+
+        wait_for(counted, timeout=30, what="the sidecar's recompute and exception counters")
+        print(f"survive, lookups: {times_fired} of {len(REFERENCE_PROMPTS)} lookups raised and were answered "
+              f"'no hit', {loaded_tokens(server):.0f} tokens loaded from the CPU tier, outputs equal")
+    finally:
+        server.stop()
+        sidecar.stop()

@@ -325,3 +325,67 @@ def test_a_reset_before_the_survived_load_completes_leaks_no_pin(monkeypatch: py
         assert manager.survival is not None and not manager.survival._unpinned
     finally:
         scheduler.shutdown()
+
+
+# -- beyond prepare_load: a lookup that raises --------------------------------------------------
+
+
+@pytest.mark.parametrize("survive", [True, False], ids=["survive", "off"])
+def test_a_lookup_that_raises_reports_no_hit_and_the_request_computes_its_prefix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, survive: bool
+) -> None:
+    """Issue 42, item 4: the second request's lookup raises (demo.defects.LookupRaisesSpec: the tier's
+    storage fails, OSError EIO). Survive mode answers vLLM "no hit" in its place: no load job, nothing
+    pinned, the request computes its prefix itself; the exception is reported as at the boundary (site,
+    report marked recomputed, WARNING line, counter) and counted as a recomputed load of 0 tokens. Off,
+    vLLM's exception leaves the connector unchanged (the engine dies as without kvobs)."""
+    directory = tmp_path / "kvobs"
+    scheduler, _worker, trigger = connectors(monkeypatch, tmp_path, defect="LookupRaisesSpec",
+                                             dir=str(directory), survive=survive)
+    manager = scheduler.connector_scheduler.manager
+    steps = driver.EngineStepDriver(ConnectorAsScheduler(scheduler), make_kv_cache_config(hybrid=False))
+    prompt = list(range(1, 4 * BLOCK_SIZE + 2))
+    caplog.set_level(logging.WARNING, logger="kvobs")
+    try:
+        first = driver.make_request("first", prompt)
+        steps.step([first])
+        steps.step()
+        steps.report_all_worker_jobs()
+        steps.finish(first)
+        steps.step()
+        steps.report_all_worker_jobs()
+        trigger.touch()
+        second = driver.make_request("second", prompt)
+        if not survive:
+            scheduler.on_new_request(second)
+            with pytest.raises(OSError, match="could not be read") as info:
+                scheduler.get_num_new_matched_tokens(second, 0)
+            assert info.value.errno == 5
+            assert manager.observer.recomputes.counts["loads"] == 0
+            return
+        meta = steps.step([second])
+        assert steps.num_external_tokens["second"] == 0, "no hit reported"
+        assert not [j for j in meta.load_jobs.values() if j.req_id == "second"], "no load job"
+        assert manager.observer.recomputes.counts == {"loads": 1, "tokens": 0, "alarms": 0}
+        assert +manager.observer.failures == {}, "not a failed load"
+        (report,) = [json.loads(p.read_text()) for p in sorted((directory / "failures").glob("*.json"))]
+        assert (report["cause"], report["method"], report["recomputed"], report["req_ids"]) == (
+            "vllm_exception", "get_num_new_matched_tokens", True, ["second"])
+        assert report["site"]["file"].endswith("offloading/scheduler.py"), report["site"]
+        assert report["raised_at"]["function"] == "lookup_that_raises"
+        (key,) = +manager.observer.counts["exceptions"]
+        assert key.startswith("vllm_exception ") and "scheduler.py:" in key
+        lines = [r for r in caplog.records if r.getMessage().startswith("kv offload exception at ")]
+        assert [r.levelname for r in lines] == ["WARNING"]
+        assert lines[0].getMessage().endswith("; computed instead (kvobs survive)")
+        assert lines[0].kvobs_exception["recomputed"] is True  # type: ignore[attr-defined]
+
+        steps.report_all_worker_jobs()
+        steps.step()
+        steps.finish(second)
+        steps.step()
+        third = driver.make_request("third", prompt)  # fired once: the next lookup hits again
+        steps.step([third])
+        assert steps.num_external_tokens["third"], "the tier answers again"
+    finally:
+        scheduler.shutdown()

@@ -142,11 +142,24 @@ def test_kvobs_line_and_the_traceback_are_one_death() -> None:
     [entry] = _scan(text)
     assert entry.seen_in == ["kvobs_log", "traceback"] and entry.occurrences == 1 and entry.engine == "3"
     assert entry.kvobs == {"side": "scheduler", "method": "build_connector_meta", "req_ids": ["req-a", "req-'b"],
-                           "cause": "vllm_assertion", "vllm": "0.34.0"}
+                           "cause": "vllm_assertion", "vllm": "0.34.0", "recomputed": False}
     assert (entry.expression, entry.statement) == ("len(offload_keys) == len(offload_block_ids)", "assert")
     out = render([], 0, False, "log", exceptions=[entry])
     assert out.startswith("1 offload exception in log") and "ObservedOffloadingConnector" not in out
     assert "through the connector's scheduler-side build_connector_meta, cause vllm_assertion" in out
+
+
+def test_a_survived_exception_is_said_to_be_survived() -> None:
+    """Survive mode answered vLLM in the exception's place (a lookup that raised): kvobs's line ends so, there
+    is no traceback, and explain says the engine went on."""
+    line = (PREFIXES["0.31.0+"].format(dp=0) + KVOBS_LINE.format(file=SCHED).replace(
+        "build_connector_meta", "get_num_new_matched_tokens") + "; computed instead (kvobs survive)\n")
+    [entry] = _scan(line)
+    assert entry.seen_in == ["kvobs_log"] and entry.kvobs is not None and entry.kvobs["recomputed"] is True
+    assert "survived: kvobs survive answered vLLM in its place" in render([], 0, False, "log", exceptions=[entry])
+    [plain] = _scan(PREFIXES["0.31.0+"].format(dp=0) + KVOBS_LINE.format(file=SCHED) + "\n")
+    assert plain.kvobs is not None and plain.kvobs["recomputed"] is False
+    assert "survived" not in render([], 0, False, "log", exceptions=[plain])
 
 
 def test_json_formatter_exc_info_is_decoded() -> None:
