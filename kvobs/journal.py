@@ -214,6 +214,32 @@ def _forked() -> None:
 forks.track(sys.modules[__name__])
 
 
+class ReportFiles:
+    """Failure reports in ``<dir>/failures/``: written durably, each under a name used once, the newest
+    ``max_reports`` kept. The journal's (:class:`JournalFiles`) and a worker-side connector's (which has no
+    journal: kvobs/vllm/boundary.py) are the same code; names carry the pid, so both write side by side."""
+
+    def __init__(self, root: Path, engine: str, max_reports: int) -> None:
+        self.failures_dir = private_dir(root / FAILURES_DIR)
+        self.engine = engine
+        self.max_reports = max_reports
+        self._written = 0
+
+    def name(self, report: dict[str, Any]) -> str:
+        """The next report's file name (each name used once), after the newest report's in the directory
+        whatever the wall clock says (``kvobs.wire.format.report_name``)."""
+        newest = report_files(self.failures_dir)[:1]  # any writer's: engines may share the directory
+        after = report_time_ms(newest[0].stem) if newest else None
+        name = report_name(report["time"], self.engine, os.getpid(), self._written, -1 if after is None else after)
+        self._written += 1
+        return name
+
+    def write(self, name: str, report: dict[str, Any]) -> None:
+        """Write a report durably (cut to ``REPORT_BYTES``), then drop the oldest beyond ``max_reports``."""
+        write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
+        keep_newest(report_files(self.failures_dir), self.max_reports)  # only kvobs's own (the readers' rule)
+
+
 class JournalFiles:
     """The journal's files for one writer: its segments (appended, rolled at ``segment_bytes``, the
     newest ``KEEP_SEGMENTS`` kept), the pruning of this engine's earlier processes' segments, and its
@@ -223,15 +249,13 @@ class JournalFiles:
     def __init__(self, directory: str | os.PathLike[str], engine: str, options: Options) -> None:
         self.root = private_dir(Path(directory))
         self.journal_dir = private_dir(self.root / JOURNAL_DIR)
-        self.failures_dir = private_dir(self.root / FAILURES_DIR)
+        self.reports = ReportFiles(self.root, engine, options.max_reports)
         self.engine = engine
         self.segment_bytes = options.journal_bytes // KEEP_SEGMENTS
         self.keep_processes = options.journal_processes
-        self.max_reports = options.max_reports
         self._seq = 0
         self._segment_bytes = 0
         self._fd: int | None = None
-        self._reports = 0
         self.lines_kept = 0
         """Whole lines of the last failed :meth:`write` that were written and kept."""
         self._stem = _claim_stem(self.journal_dir, engine)
@@ -334,25 +358,6 @@ class JournalFiles:
                 with contextlib.suppress(OSError):
                     path.unlink()
 
-    # -- failure reports -----------------------------------------------------------------
-
-    def report_name(self, report: dict[str, Any]) -> str:
-        """The next report's file name (each name used once), after the newest report's in the directory
-        whatever the wall clock says (``kvobs.wire.format.report_name``)."""
-        newest = report_files(self.failures_dir)[:1]  # any writer's: engines may share the directory
-        after = report_time_ms(newest[0].stem) if newest else None
-        name = report_name(report["time"], self.engine, os.getpid(), self._reports, -1 if after is None else after)
-        self._reports += 1
-        return name
-
-    def write_report(self, name: str, report: dict[str, Any]) -> None:
-        """Write a report durably (cut to ``REPORT_BYTES``), then drop the oldest beyond ``max_reports``."""
-        write_durably(self.failures_dir / name, bounded_report(report, REPORT_BYTES))
-        self._prune_reports()
-
-    def _prune_reports(self) -> None:
-        keep_newest(report_files(self.failures_dir), self.max_reports)  # only kvobs's own (the readers' rule)
-
 
 class JournalSink(Sink):
     """Queues an engine's records for the sidecar and writes them out on its own thread, through
@@ -442,9 +447,9 @@ class JournalSink(Sink):
                             event.remaining())
 
     def _write_failure(self, report: dict[str, Any], remaining: float) -> None:
-        name = self.files.report_name(report)
+        name = self.files.reports.name(report)
         try:
-            self.files.write_report(name, report)
+            self.files.reports.write(name, report)
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.fault("report", fault)
         try:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvobs import __version__
 from kvobs.codes import CAUSES, EXCEPTION_CAUSES, REASONS
+from kvobs.metric_catalogue import METRICS
 from kvobs.wire.decode import MAX_RUNS_PER_FILE, Report, decode_counters, decode_hello, decode_writer
 from kvobs.wire.format import (
     MAX_ENGINES,
@@ -50,6 +51,8 @@ from kvobs.wire.format import (
 )
 from kvobs.wire.histogram import Histogram
 
+_EXCEPTIONS = next(m for m in METRICS if m.name == "kvobs_offload_exceptions")
+"""Its totals key and key separator: the worker's reports are counted under the engine's own."""
 logger = logging.getLogger("kvobs.sidecar")
 
 MAX_UNKNOWN = 256
@@ -98,6 +101,10 @@ class EngineState:
     invalid: int = 0
     """Strings of this engine's lines and reports that were not valid text, replaced (kvobs.wire.format.load_json):
     exported as ``kvobs_dropped_records_total{stage="ingest"}``, the stage kvobs.codes.DROP_STAGES keeps for it."""
+    worker_exceptions: dict[str, float] = field(default_factory=dict)
+    """``kvobs_offload_exceptions`` of the engine's workers, by totals key (cause, site), from their failure
+    reports: a worker writes no journal, so its reports are its only count (the scheduler side's are in the
+    journal's totals, and its reports are not counted again)."""
 
     def totals(self) -> dict[str, dict[str, float]]:
         summed: dict[str, dict[str, float]] = {k: dict(v) for k, v in self.retired.items()}
@@ -105,7 +112,18 @@ class EngineState:
             _add(summed, writer.totals.counters)
         if self.invalid:
             _add(summed, {"dropped": {"ingest": float(self.invalid)}})
+        if self.worker_exceptions:
+            _add(summed, {_EXCEPTIONS.totals or "": self.worker_exceptions})
         return summed
+
+    def count_worker_exception(self, cause: str, site: Any) -> None:
+        """One worker-side exception report: ``kvobs_offload_exceptions{cause, site}`` += 1, its sites bounded
+        (``MAX_LABEL_VALUES``, then ``other``) as the engine bounds its own."""
+        site = site if is_label(site, MAX_SHORT_LABEL - len(cause) - 1) else ""
+        key = f"{cause}{_EXCEPTIONS.sep}{site}" if site else cause
+        if key not in self.worker_exceptions and len(self.worker_exceptions) >= MAX_LABEL_VALUES:
+            key = f"{cause}{_EXCEPTIONS.sep}{OTHER}"
+        self.worker_exceptions[key] = self.worker_exceptions.get(key, 0.0) + 1
 
     def causes_seen(self) -> set[str]:
         """The ``cause`` values of this engine's report-fed series (its reports' causes)."""
@@ -122,7 +140,8 @@ class EngineState:
             return value if value in groups else OTHER
 
         out = EngineState(self.live, self.retired, self.hello, self.started, self.last_record_time,
-                          {group(g) for g in self.groups}, invalid=self.invalid)
+                          {group(g) for g in self.groups}, invalid=self.invalid,
+                          worker_exceptions=self.worker_exceptions)
         for (c, g), n in self.missing.items():
             key = (cause(c), group(g))
             out.missing[key] = out.missing.get(key, 0) + n
@@ -257,6 +276,8 @@ class SidecarState:
         state = self.engine((report.model_name, report.engine))
         if report.cause in EXCEPTION_CAUSES:  # not a failed load: counted by kvobs_offload_exceptions (totals)
             state.invalid += report.invalid
+            if report.data.get("side") == "worker":  # a worker has no journal: its report is its count
+                state.count_worker_exception(report.cause, report.data.get("site_label"))
             return
         for cause, group, n in report.summary.counts:
             state.groups.add(group)
@@ -311,6 +332,7 @@ class SidecarState:
                     "exemplars": [[c, t, when] for c, (t, when) in e.exemplars.items()],
                     "failure_times": [[c, newest, previous] for c, (newest, previous) in e.failure_times.items()],
                     "invalid": e.invalid,
+                    "worker_exceptions": e.worker_exceptions,
                 }
                 for identity, e in self.engines.items()
             ],
@@ -471,6 +493,10 @@ class _Restore:
                 raise ValueError("bad failure times")
             engine.failure_times[row[0]] = (self._seconds(row[1]), self._seconds(row[2]))
         engine.invalid = self._count(e.get("invalid", 0))  # absent before issue 40
+        for key, n in (self._dict(e, "worker_exceptions") if "worker_exceptions" in e else {}).items():  # new here
+            if not is_label(key, MAX_SHORT_LABEL) or len(engine.worker_exceptions) >= MAX_LABEL_VALUES + 2:
+                raise ValueError("bad worker exceptions")
+            engine.worker_exceptions[key] = self._count(n)
         engine.bound()  # a checkpoint of a sidecar before issue 40 may hold more
 
 

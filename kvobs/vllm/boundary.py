@@ -19,16 +19,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvobs.boundary import OffloadException, cause_of
+from kvobs.journal import ReportFiles
 from kvobs.lifecycle import NOT_RECORDED, Lifecycle
 from kvobs.observer import FAILURE_WAIT_S, Deadline, ExceptionEvent, Observer
+from kvobs.options import Options
 from kvobs.sites import sites_of
 from kvobs.vllm import compat
+from kvobs.wire.encode import exception_report
+from kvobs.wire.format import Writer, fit_model_name
 
 logger = logging.getLogger("kvobs")
 
@@ -51,15 +57,19 @@ SEP = " "
 class Boundary:
     """One connector's boundary: its lifecycle and what it reported (the counts when it has no observer)."""
 
-    def __init__(self, side: str, observer: Callable[[], Observer | None]) -> None:
+    def __init__(self, side: str, observer: Callable[[], Observer | None],
+                 options: Callable[[], Options | None] = lambda: None) -> None:
         self.side = side
         self.lifecycle = Lifecycle()
         self._observer = observer
+        self._options = options
         self.reported: deque[BaseException] = deque(maxlen=4)
         self.counts: Counter[str] = Counter()
-        """``kvobs_offload_exceptions`` of a side without an observer (the worker's, in-process only)."""
+        """``kvobs_offload_exceptions`` of a side without an observer (the worker's): in process; its reports
+        (``dir`` set) are what the sidecar counts."""
         self.faults = 0
         self._tracing: Any = None
+        self._reports: ReportFiles | None = None
 
     # -- the lifecycle, on every guarded call ----------------------------------------------
 
@@ -135,14 +145,32 @@ class Boundary:
         counts[key] += 1
 
     def _span(self, failure: OffloadException, exc: BaseException) -> None:
-        """A side without an observer (the worker's) still exports the span, through the global provider."""
+        """A side without an observer (the worker's) still exports the span, through the global provider, and
+        writes its failure report into ``<dir>/failures/`` when kvobs's options set ``dir`` (the sidecar serves
+        and counts it: the worker has no journal)."""
         from kvobs.tracing import TracingSink
 
+        options = self._options()
         if self._tracing is None:
-            self._tracing = TracingSink()
+            self._tracing = TracingSink(engine=None if options is None else options.engine,
+                                        model_name=None if options is None else options.model_name)
         deadline = Deadline(FAILURE_WAIT_S)
         trace = self._tracing.start_exception(failure, exc, deadline)
-        self._tracing.on_exception(ExceptionEvent(failure, exc, trace, deadline))
+        try:
+            self._report(failure, exc, options, trace)
+        finally:
+            self._tracing.on_exception(ExceptionEvent(failure, exc, trace, deadline))
+
+    def _report(self, failure: OffloadException, exc: BaseException, options: Options | None,
+                trace: tuple[str, str] | None) -> None:
+        if options is None or options.dir is None:
+            return
+        engine = options.engine or "0"
+        if self._reports is None:
+            self._reports = ReportFiles(Path(options.dir), engine, options.max_reports)
+        writer = Writer(engine, os.getpid(), self.side, fit_model_name(options.model_name or ""))
+        report = exception_report(failure, exc, writer, time.time(), trace=trace)
+        self._reports.write(self._reports.name(report), report)
 
 
 def _involved(method: str, args: tuple[Any, ...]) -> list[str]:
@@ -202,7 +230,7 @@ def _boundary(connector: Any) -> Boundary:
     found: Boundary | None = connector.__dict__.get("_kvobs_boundary")
     if found is None:
         side = "scheduler" if getattr(connector, "connector_scheduler", None) is not None else "worker"
-        found = Boundary(side, lambda: _observer_of(connector))
+        found = Boundary(side, lambda: _observer_of(connector), lambda: _options_of(connector))
         connector.__dict__["_kvobs_boundary"] = found
     return found
 
@@ -217,6 +245,12 @@ def _observer_of(connector: Any) -> Observer | None:
     scheduler = getattr(connector, "connector_scheduler", None)
     observer = getattr(getattr(scheduler, "manager", None), "observer", None)
     return observer if isinstance(observer, Observer) else None
+
+
+def _options_of(connector: Any) -> Options | None:
+    """kvobs's options where the connector's spec is kvobs's (``ObservedOffloadingSpec.kvobs_options``), else None."""
+    options = getattr(compat.worker_spec(connector), "kvobs_options", None)
+    return options if isinstance(options, Options) else None
 
 
 def guard(cls: type) -> type:

@@ -957,6 +957,12 @@ CONNECTOR_WORKER_METHODS: tuple[str, ...] = (
 """The worker-side methods guarded the same way."""
 
 
+def worker_spec(connector: Any) -> Any | None:
+    """The offloading spec a worker-side ``OffloadingConnector`` was built with (its ``connector_worker.spec``,
+    0.30 to 0.34), or None: where the worker side finds kvobs's options (kvobs/vllm/boundary.py)."""
+    return getattr(getattr(connector, "connector_worker", None), "spec", None)
+
+
 def request_id_of(request: Any) -> str | None:
     """A vLLM ``Request``'s id (None for anything else)."""
     req_id = getattr(request, "request_id", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import types
 from pathlib import Path
@@ -25,10 +26,12 @@ from opentelemetry.trace import StatusCode
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from demo import driver
+from demo.engine import counter_samples
 from kvobs.tracing import TracingSink
 from kvobs.vllm import compat, modelless_config
 from kvobs.vllm.boundary import boundary_of
 from kvobs.wire.decode import iter_reports
+from tests.support.services import Sidecar, http_get, wait_for
 
 CONNECTOR_FILE = "distributed/kv_transfer/kv_connector/v1/offloading_connector.py"
 INNER = {"request_finished_all_groups": "request_finished", "get_kv_connector_stats": "get_stats"}
@@ -167,8 +170,12 @@ def test_an_exception_at_a_scheduler_side_method_is_reported_at_its_site_and_pro
 def test_a_worker_side_exception_is_logged_and_spanned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The worker side has no manager, so no observer: the log line, the span and an in-process count."""
+    """The worker side has no manager, so no observer: the log line, the span, an in-process count, and a
+    failure report of its own (``side`` worker), which a real ``kvobs serve`` serves and counts in
+    ``kvobs_offload_exceptions_total`` (the worker writes no journal; the scheduler side's reports are not
+    counted again, since its journal's totals carry them)."""
     scheduler, worker, exporter = connectors(tmp_path)
+    sidecar = Sidecar(tmp_path)
     try:
         injected = Injected()
         monkeypatch.setattr(worker.connector_worker, "start_kv_transfers", injected)
@@ -185,8 +192,29 @@ def test_a_worker_side_exception_is_logged_and_spanned(
         (span,) = [s for s in exporter.get_finished_spans() if s.name == "kv_offload.start_load_kv"]
         assert span.attributes is not None and span.attributes["kv_offload.side"] == "worker"
         assert any(r.getMessage().startswith("kv offload exception at ") for r in caplog.records)
+        (report,) = list(iter_reports(tmp_path / "failures"))
+        assert (report["side"], report["method"], report["cause"], report["engine"]) == (
+            "worker", "start_load_kv", "vllm_assertion", "0")
+        assert report["site_label"] == "v1/offloading_connector.py:start_load_kv"
+        assert report["trace_id"] == f"{span.context.trace_id:032x}"
+
+        with pytest.raises(AssertionError):  # the scheduler side's, counted through its journal's totals
+            scheduler.start_load_kv(None)
+        sidecar.start()
+
+        def counted() -> dict[tuple[tuple[str, str], ...], float]:
+            text = http_get(f"{sidecar.url}/metrics")[2].decode()
+            return {k: v for k, v in counter_samples(text, "kvobs_offload_exceptions").items() if v}
+
+        site = dict(cause="vllm_assertion", engine="0", model_name="kvobs/cpu-harness",
+                    site="v1/offloading_connector.py:start_load_kv")
+        wait_for(lambda: sum(counted().values()) == 2, what="both exceptions counted")
+        assert counted() == {tuple(sorted(site.items())): 2.0}, counted()
+        status, _, body = http_get(f"{sidecar.url}/api/v1/failures?cause=vllm_assertion")
+        assert status == 200 and sorted(r["side"] for r in json.loads(body)["failures"]) == ["scheduler", "worker"]
     finally:
         monkeypatch.undo()
+        sidecar.stop()
         scheduler.shutdown()
 
 
