@@ -30,7 +30,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_survive.py tests/integration/test_plugin_imports.py tests/integration/test_removal_paths.py \
   tests/integration/test_tier_counters.py tests/integration/test_capture_buffer.py tests/integration/test_replay.py \
   tests/integration/test_labels.py::test_the_plugin_takes_vllms_labels_through_the_real_connector \
-  tests/integration/test_release_boundary.py \
+  tests/integration/test_release_boundary.py tests/integration/test_reported_classes.py \
   tests/integration/test_tier_invariants.py tests/integration/test_expected_tier.py \
   tests/integration/test_bad_settings.py
 

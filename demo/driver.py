@@ -167,6 +167,11 @@ class EngineStepDriver:
     ``KVCacheConfig`` given to the connector declares (its ``extra_retained_tokens``). Non-zero
     models an allocator/connector range disagreement, like vLLM #56701 (MTP retained history,
     fixed in 0.31): the load then covers a chunk the lookup never checked."""
+    spec_tokens: int = 0
+    """Draft tokens each decode step schedules beyond its one token (MTP or n-gram speculation): blocks are
+    allocated for them and ``build_connector_meta`` sees them in ``scheduled_spec_decode_tokens``; of them
+    ``accepted(req_id)`` are accepted (all when it is None), as vLLM's rejection sampler decides."""
+    accepted: Callable[[str], int] | None = None
     on_load_failure: Callable[[AssertionError, Request], None] | None = None
     """Called with a failed load's assertion instead of raising it (vLLM's engine would die);
     the request is then dropped as if aborted, and the step goes on."""
@@ -226,15 +231,18 @@ class EngineStepDriver:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
+        drafts: dict[str, list[int]] = {}
 
-        for req_id in self._running:  # decode
+        for req_id in self._running:  # decode: one token, and the drafts of speculation
             state = self._reqs[req_id]
-            new_ids = self._allocate(state, state.request.num_computed_tokens + 1)
+            new_ids = self._allocate(state, state.request.num_computed_tokens + 1 + self.spec_tokens)
             cached.req_ids.append(req_id)
             cached.new_block_ids.append(new_ids if any(new_ids) else None)
             cached.num_computed_tokens.append(state.request.num_computed_tokens)
             cached.num_output_tokens.append(state.request.num_output_tokens)
-            num_scheduled[req_id] = 1
+            num_scheduled[req_id] = 1 + self.spec_tokens
+            if self.spec_tokens:
+                drafts[req_id] = [0] * self.spec_tokens
 
         for req_id in self._loaded:  # async load finished: prefill the rest
             request = self._reqs[req_id].request
@@ -273,7 +281,7 @@ class EngineStepDriver:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=drafts,
             scheduled_encoder_inputs={},
             finished_req_ids=set(self._finished),
             free_encoder_mm_hashes=[],
@@ -285,7 +293,7 @@ class EngineStepDriver:
             self._pending_jobs[job_id] = job.req_id
         for job_id, job in meta.load_jobs.items():
             self._loading[job.req_id] = job_id
-        self._execute(num_scheduled)
+        self._execute(num_scheduled, drafts)
         return meta
 
     def _admit(
@@ -310,12 +318,16 @@ class EngineStepDriver:
         self.scheduler.request_finished(request)
         self._finished.add(request.request_id)
 
-    def _execute(self, num_scheduled: Mapping[str, int]) -> None:
-        """The model "ran": advance computed tokens and sample one token per request."""
+    def _execute(self, num_scheduled: Mapping[str, int], drafts: Mapping[str, list[int]]) -> None:
+        """The model "ran": advance computed tokens and sample one token per request, plus its accepted drafts
+        (the rejected ones are not computed: vLLM takes them back off ``num_computed_tokens``)."""
         for req_id, n in num_scheduled.items():
             request = self._reqs[req_id].request
-            request.num_computed_tokens += n
-            request.append_output_token_ids(0)
+            proposed = len(drafts.get(req_id, ()))
+            accepted = proposed if self.accepted is None or not proposed else min(proposed, self.accepted(req_id))
+            request.num_computed_tokens += n - (proposed - accepted)
+            for _ in range(1 + accepted):
+                request.append_output_token_ids(0)
             if req_id not in self._running:
                 self._running.append(req_id)
 
