@@ -329,7 +329,7 @@ class PolicyTap:
         self.inner = inner
 
     # Defined here too, not only in the subclasses: mypyc 2.4 compiles a __call__ that only a
-    # subclass defines into a class whose instances crash when called (tests/unit/testhot_path.py).
+    # subclass defines into a class whose instances crash when called (tests/unit/test_recording.py calls them).
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
 
