@@ -40,8 +40,11 @@ venv: $(STAMP)
 
 # torch 2.13.0 CPU build first, then vLLM without its GPU dependencies, then the deps its
 # scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
-# its hot path, kvobs/hot_path.py, with mypyc).
-$(STAMP): pyproject.toml setup.py kvobs/__init__.py kvobs/hot_path.py requirements/vllm-$(VLLM_VERSION).txt
+# its hot path, the modules kvobs/hot_path_modules.py lists, with mypyc).
+HOT_PATH_SOURCES := $(shell $(PYTHON) -c 'import runpy; print(*(f"kvobs/{m}.py" for m in \
+  runpy.run_path("kvobs/hot_path_modules.py")["HOT_PATH_MODULES"]))')
+$(STAMP): pyproject.toml setup.py kvobs/__init__.py kvobs/hot_path_modules.py $(HOT_PATH_SOURCES) \
+  requirements/vllm-$(VLLM_VERSION).txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'
 	@echo "Setting up $(VENV) (vLLM $(VLLM_VERSION) for CPU-only use; a few minutes the first time):"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -123,7 +126,7 @@ typecheck: $(STAMP)
 
 # The whole suite on vLLM $(VLLM_VERSION) and kvobs's compiled hot path (vLLM's own manager suites in
 # tests/upstream bare, then again with every manager observed); the tests that matter for the hot
-# path again on its pure-Python form (what kvobs runs where no C compiler compiled kvobs/hot_path.py);
+# path again on its pure-Python form (what kvobs runs where no C compiler compiled its modules);
 # then the tests that touch vLLM on every older supported release.
 # The older releases' tests run beside the real engines': the engine tests keep 1.2 of this machine's 2
 # cores busy (58% measured over test_serve and test_survive), the release tests about one, so the two

@@ -1,7 +1,8 @@
-"""Compiles kvobs's hot path (kvobs/hot_path.py) with mypyc; puts the dashboards, rules and manifests in the wheel.
+"""Compiles kvobs's hot path with mypyc; puts the dashboards, rules and manifests in the wheel.
 
-One source, two forms: the same module is the compiled extension and its pure-Python fallback
-(kvobs/hot_path_loader.py picks one at import). A failed compile only warns.
+The hot path is the modules kvobs/hot_path_modules.py lists, compiled together (one group, one shared
+library: kvobs/hot_path__mypyc). One source, two forms: the same modules are the compiled extensions and
+their pure-Python fallback (kvobs/hot_path_loader.py picks one at import). A failed compile only warns.
 
 The assets stay where the repository keeps them (dashboards/, docker/); the build copies the files that
 kvobs/assets.py selects into the package (kvobs/_assets/), and lists them as sources so that the sdist
@@ -27,7 +28,8 @@ def hot_path_extensions() -> list:
         print(f"kvobs: mypyc not available ({exc}); the hot path will run as Python", file=sys.stderr)
         return []
     try:
-        extensions = mypycify(["--follow-imports=skip", "kvobs/hot_path.py"], opt_level="3")
+        sources = [os.path.join("kvobs", f"{name}.py") for name in by_path("hot_path_modules.py").HOT_PATH_MODULES]
+        extensions = mypycify(["--follow-imports=skip", *sources], opt_level="3", group_name="kvobs.hot_path")
     except Exception as exc:  # a mypyc failure must not stop the install: kvobs runs the Python form
         print(f"kvobs: compiling the hot path failed ({exc!r}); it will run as Python", file=sys.stderr)
         return []
@@ -36,13 +38,18 @@ def hot_path_extensions() -> list:
     return extensions
 
 
-def assets() -> ModuleType:
-    """kvobs/assets.py, loaded by path: its list of assets is the one the build uses (kvobs is not importable yet)."""
-    spec = importlib.util.spec_from_file_location("_kvobs_assets", os.path.join("kvobs", "assets.py"))
+def by_path(name: str) -> ModuleType:
+    """kvobs/<name>, loaded by path: its lists are the ones the build uses (kvobs is not importable yet)."""
+    spec = importlib.util.spec_from_file_location(f"_kvobs_{name.removesuffix('.py')}", os.path.join("kvobs", name))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assets() -> ModuleType:
+    """kvobs/assets.py: its list of assets is the one the build uses."""
+    return by_path("assets.py")
 
 
 class BuildPyWithAssets(build_py):

@@ -136,7 +136,7 @@ DRAIN_KEYS = 16_384
 DRAIN_BATCHES = 2_048
 """Queued removal batches that make the recorder ask for a drain."""
 RECENT_KEYS = 4_096
-"""Removed keys the hot path remembers (per generation; kvobs.hot_path.RecentRemovals). A load
+"""Removed keys the hot path remembers (per generation; kvobs.hot_promises.RecentRemovals). A load
 redeems promises its lookup made in the same scheduler step, a few hundred removals earlier at
 most; an older promise is settled from the eviction history (Observer.near_missed), so this only
 bounds the fast path (it was 32,768: 6.7 MiB at a 1M-key history, issue 22)."""

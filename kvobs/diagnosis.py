@@ -1,7 +1,7 @@
 """Why a load found chunks missing: classify each key, then write the message.
 
 Pure logic: it sees facts gathered by the observer (each key's promise and the removal
-that broke it, by the rule in ``kvobs/hot_path.py``; its last recorded removal; its
+that broke it, by the rule in ``kvobs/hot_promises.py``; its last recorded removal; its
 state in the cache) and imports nothing from vLLM, so it is tested without vLLM and
 runs in the failing process in microseconds.
 """

@@ -1,7 +1,7 @@
 """The flight recorder: the last manager calls of an engine, from a snapshot of its state, for ``kvobs replay``.
 
-The taps capture every manager call (kvobs/hot_path.py, ``call_captured``); kvobs's applier writes each,
-once applied, into the current segment (kvobs.hot_path.FlightSegment: columns, keys into a key table,
+The taps capture every manager call (kvobs/hot_taps.py, ``Recorder.call_captured``); kvobs's applier writes each,
+once applied, into the current segment (kvobs.hot_captures.FlightSegment: columns, keys into a key table,
 requests by id, answers by name; no Python object per call, so the garbage collector never walks a
 window of a hundred thousand calls and no vLLM object but the keys stays alive). Every ``flight_calls``
 calls the scheduler thread snapshots the manager's state between two calls (``Recorder.roll``; the
@@ -39,7 +39,7 @@ store was accepted)."""
 
 class FlightWindow:
     """The recorder's window: the segment since the last snapshot and the one before it
-    (kvobs.hot_path.FlightSegment, filled by the applier), the newest state a replay can start from.
+    (kvobs.hot_captures.FlightSegment, filled by the applier), the newest state a replay can start from.
 
     Installs each new segment on ``recorder`` (``flight_segment``) as its snapshot is applied, and turns the
     recorder off (``recorder.flight_off``) with a reason when a snapshot outgrows its share of ``max_bytes``.

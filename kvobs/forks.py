@@ -37,7 +37,7 @@ def track(owner: Any) -> None:
 
 def _attribute_names(holder: Any) -> list[str]:
     """The instance attributes of ``holder``: its ``__dict__``, or a mypyc class's ``__mypyc_attrs__``
-    (kvobs/hot_path.py compiled has no ``__dict__``; reading attributes, never properties)."""
+    (the hot path's classes, compiled, have no ``__dict__``; reading attributes, never properties)."""
     if hasattr(holder, "__dict__"):
         return list(vars(holder))
     names: list[str] = []

@@ -1,11 +1,12 @@
-"""The hot path as kvobs runs it: ``kvobs/hot_path.py``, compiled by mypyc when it was built.
+"""The hot path as kvobs runs it: the modules kvobs/hot_path_modules.py lists, compiled by mypyc when built.
 
-One source, two forms. ``pip install`` compiles ``kvobs/hot_path.py`` with mypyc where a C
-compiler is present (setup.py); the compiled module then shadows the source. Where it was
-not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same source runs as plain Python,
-with the same behaviour at a higher cost on the scheduler thread (docs/performance.md has both
-forms' measured overhead; a figure here would go stale). ``HOT_PATH`` says which form runs
-(``kvobs_build_info`` exports it); the fallback says so once in the log.
+One source, two forms. ``pip install`` compiles those modules together with mypyc where a C
+compiler is present (setup.py); the compiled modules then shadow the sources. Where they were
+not built, or ``KVOBS_PURE_PYTHON=1`` asks for it, the same sources run as plain Python, all of
+them (never a mix of compiled and source), with the same behaviour at a higher cost on the
+scheduler thread (docs/performance.md has both forms' measured overhead; a figure here would go
+stale). ``HOT_PATH`` says which form runs (``kvobs_build_info`` exports it); the fallback says so
+once in the log. The rest of kvobs takes the hot path's names from here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from kvobs.hot_path_modules import HOT_PATH_MODULES
+
 logger = logging.getLogger("kvobs")
 
 _MODULE = "kvobs.hot_path"
@@ -29,12 +32,16 @@ def _forced_python() -> bool:
 
 
 def _source_module() -> ModuleType:
-    """``kvobs/hot_path.py`` executed as Python, even where a compiled form sits beside it."""
-    spec = importlib.util.spec_from_file_location(_MODULE, Path(__file__).with_name("hot_path.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE] = module
-    spec.loader.exec_module(module)
+    """Every hot-path module executed as Python, those it imports first, even where compiled forms sit
+    beside them (each imports the others from ``sys.modules``, so the sources only); ``kvobs.hot_path``."""
+    module = None
+    for name in HOT_PATH_MODULES:
+        spec = importlib.util.spec_from_file_location(f"kvobs.{name}", Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"kvobs.{name}"] = module
+        spec.loader.exec_module(module)
+    assert module is not None and module.__name__ == _MODULE
     return module
 
 
@@ -46,52 +53,62 @@ def _load() -> tuple[ModuleType, str]:
     if _forced_python():
         return _source_module(), "python"
     try:
-        import kvobs.hot_path as module
+        # One by one, those imported first: each compiled module then loads through its own file, whose path
+        # is its ``__file__`` (imported first by another compiled one, mypyc 2.4 derives a path that is not).
+        modules = [importlib.import_module(f"kvobs.{name}") for name in HOT_PATH_MODULES]
     except ImportError as exc:  # a compiled form that does not load here (another Python, a broken build)
         logger.warning("kvobs: the compiled hot path does not load (%r); running it as Python", exc)
         return _source_module(), "python"
-    if is_compiled(module):
+    module = modules[-1]
+    compiled = [is_compiled(each) for each in modules]
+    if all(compiled):
         return module, "compiled"
     logger.warning(
         "kvobs: the compiled hot path is not built (no C compiler when kvobs was installed); running it as "
         "Python: same results, more scheduler CPU (README, 'The compiled hot path'; docs/performance.md)"
     )
-    return module, "python"
+    return (_source_module() if any(compiled) else module), "python"  # part of it compiled: all as source
 
 
 _impl, HOT_PATH = _load()
 """``"compiled"`` (mypyc) or ``"python"``."""
 
-_PUBLIC = (
-    "CALL", "FINISH", "LOAD", "LOOKUP", "SNAPSHOT",
-    "Breach", "ClearTap", "DeferredReleaseTap", "EvictTap", "FlightSegment", "InsertTap", "NearMiss", "PolicyTap",
-    "Promises", "RecentRemovals", "Recorder", "RemovalRun", "RemoveTap", "Verdict", "WriteTap",
-)
+_PUBLIC = {
+    "hot_captures": ("CALL", "FINISH", "LOAD", "LOOKUP", "SNAPSHOT", "FlightSegment"),
+    "hot_promises": ("Breach", "NearMiss", "Promises", "RecentRemovals", "RemovalRun", "Verdict"),
+    "hot_taps": ("ClearTap", "DeferredReleaseTap", "EvictTap", "InsertTap", "PolicyTap", "RemoveTap", "WriteTap"),
+    "hot_path": ("Recorder",),
+}
 
 if TYPE_CHECKING:  # the same names, typed (re-exported)
-    from kvobs.hot_path import (
+    from kvobs.hot_captures import (
         CALL as CALL,
         FINISH as FINISH,
         LOAD as LOAD,
         LOOKUP as LOOKUP,
         SNAPSHOT as SNAPSHOT,
+        FlightSegment as FlightSegment,
+    )
+    from kvobs.hot_path import Recorder as Recorder
+    from kvobs.hot_promises import (
         Breach as Breach,
+        NearMiss as NearMiss,
+        Promises as Promises,
+        RecentRemovals as RecentRemovals,
+        RemovalRun as RemovalRun,
+        Verdict as Verdict,
+    )
+    from kvobs.hot_taps import (
         ClearTap as ClearTap,
         DeferredReleaseTap as DeferredReleaseTap,
         EvictTap as EvictTap,
-        FlightSegment as FlightSegment,
         InsertTap as InsertTap,
-        NearMiss as NearMiss,
         PolicyTap as PolicyTap,
-        Promises as Promises,
-        RecentRemovals as RecentRemovals,
-        Recorder as Recorder,
-        RemovalRun as RemovalRun,
         RemoveTap as RemoveTap,
-        Verdict as Verdict,
         WriteTap as WriteTap,
     )
 else:
-    globals().update({name: getattr(_impl, name) for name in _PUBLIC})
+    globals().update({name: getattr(sys.modules[f"kvobs.{module}"], name)
+                      for module, names in _PUBLIC.items() for name in names})
 
-__all__ = ["HOT_PATH", "is_compiled", *_PUBLIC]
+__all__ = ["HOT_PATH", "is_compiled", *(name for names in _PUBLIC.values() for name in names)]

@@ -64,10 +64,10 @@ class MetricDef(NamedTuple):
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_evicted_chunks", "counter", ("reason",), "Chunks removed from the CPU tier, by reason.",
-              values=REASONS, totals="evicted", counted="the recorder's removal taps (kvobs/hot_path.py)",
+              values=REASONS, totals="evicted", counted="the recorder's removal taps (kvobs/hot_taps.py)",
               on_vllm=True),
     MetricDef("kvobs_eviction_batches", "counter", ("reason",), "Removal batches from the CPU tier, by reason.",
-              values=REASONS, totals="batches", counted="the recorder's removal taps (kvobs/hot_path.py)"),
+              values=REASONS, totals="batches", counted="the recorder's removal taps (kvobs/hot_taps.py)"),
     MetricDef("kvobs_load_failures", "counter", ("cause",), "Failed prepare_load calls, by cause.",
               values=CAUSES, totals="failures", counted="Observer.report_failure (kvobs/observer.py)",
               on_vllm=True),
@@ -85,7 +85,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_stored_chunks", "counter", ("tier",),
               "Chunks stored into an offload tier from the GPU (a store the tier took: prepare_store's "
               "keys_to_store); promotions from a lower tier are not stores (kvobs_written_chunks counts both).",
-              values=TIERS, totals="stored", counted="StoreTap (kvobs/hot_path.py)"),
+              values=TIERS, totals="stored", counted="StoreTap (kvobs/hot_taps.py)"),
     MetricDef("kvobs_loaded_chunks", "counter", ("tier",),
               "Chunks loaded back from an offload tier (prepare_load calls that succeeded), every read: a "
               "chunk read twice counts twice (kvobs_read_once_chunks counts it once).",
@@ -99,7 +99,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_written_chunks", "counter", ("tier",),
               "Chunks written into an offload tier by any path: stores from the GPU and promotions from a "
               "lower tier (the denominator of the read-back share, kvobs.codes.READ_BACK_SHARE).",
-              values=TIERS, totals="written", counted="StoreTap + WriteTap (kvobs/hot_path.py)"),
+              values=TIERS, totals="written", counted="StoreTap + WriteTap (kvobs/hot_taps.py)"),
     MetricDef("kvobs_read_once_chunks", "counter", ("tier",),
               "Chunks read at least once since written into an offload tier, each counted at its first read "
               "(the numerator of the read-back share, kvobs.codes.READ_BACK_SHARE).",

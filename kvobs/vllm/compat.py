@@ -157,12 +157,12 @@ class Method(NamedTuple):
 
 STORED_FIELD = "keys_to_store"
 """``PrepareStoreOutput``'s list of the chunks a store writes (every release 0.30-0.34): the ``store`` tap
-(``kvobs.hot_path.StoreTap``) counts them."""
+(``kvobs.hot_taps.StoreTap``) counts them."""
 
 PROMOTION_WRITE = "prepare_write"
 """The tiering CPU tier's instance attribute its promotions write through (``self.prepare_write =
 self.prepare_store`` in ``CPUPrimaryTierOffloadingManager``, every release 0.30-0.34): tapped
-(``kvobs.hot_path.WriteTap``) to count the chunks written into the CPU tier from a lower tier."""
+(``kvobs.hot_taps.WriteTap``) to count the chunks written into the CPU tier from a lower tier."""
 
 TAP_KINDS = ("pass", "lookup", "load", "store", "keys", "request", "call", "shutdown")
 

@@ -1,7 +1,7 @@
 """The wrapper's methods introspect as the bare manager's (issue 31, class 7).
 
 Tracing decorators (``functools.wraps``), ``inspect.signature`` and ``mock.create_autospec`` read a
-method's name, signature and wrapped function. kvobs's taps are compiled objects (kvobs/hot_path.py)
+method's name, signature and wrapped function. kvobs's taps are compiled objects (kvobs/hot_taps.py)
 that have none of these and take no new attributes: ``inspect.signature`` raised, ``functools.wraps``
 kept the wrapper's own name, and an autospec'd spy accepted a call without arguments. So a tap is
 handed out inside a ``functools.partial`` without arguments: a C object that passes the call on as it

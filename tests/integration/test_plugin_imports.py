@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 
 import kvobs
+from kvobs.hot_path_modules import HOT_PATH_MODULES
 from tests.support.vllm_env import cpu_extra, observed_extra, tiering_extra
 
 HEAVY = (
-    "kvobs.history", "kvobs.observer", "kvobs.hot_path_loader", "kvobs.hot_path", "kvobs.hot_path__mypyc",
-    "kvobs.journal", "kvobs.tracing",
+    "kvobs.history", "kvobs.observer", "kvobs.hot_path_loader", *(f"kvobs.{name}" for name in HOT_PATH_MODULES),
+    "kvobs.hot_path__mypyc", "kvobs.journal", "kvobs.tracing",
 )
 
 PROBE = """

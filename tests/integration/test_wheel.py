@@ -32,6 +32,7 @@ import yaml
 
 from kvobs import __version__, cli
 from kvobs.assets import PACKAGED, select
+from kvobs.hot_path_modules import HOT_PATH_MODULES
 from tests.support.services import ROOT, clean_env, free_port, http_get, wait_for
 
 THIS_SITE = Path(sysconfig.get_path("purelib"))
@@ -108,12 +109,13 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
     assert f"kvobs-{__version__}.dist-info/licenses/LICENSE" in names
     packaged = sorted(n.removeprefix(f"kvobs/{PACKAGED}/") for n in names if n.startswith(f"kvobs/{PACKAGED}/"))
     assert packaged == select(ROOT)  # every asset the checkout has, and only those
-    compiled = [n for n in names if n.startswith("kvobs/hot_path") and n.endswith(".so")]
-    assert bool(compiled) == compiler_present(), compiled
+    compiled = sorted(n.split(".")[0].removeprefix("kvobs/") for n in names if n.endswith(".so"))
+    assert compiled == (sorted([*HOT_PATH_MODULES, "hot_path__mypyc"]) if compiler_present() else []), compiled
     with tarfile.open(installed.sdist) as sdist:
         top = f"kvobs-{__version__}/"
         members = {m.name.removeprefix(top) for m in sdist.getmembers()}
-    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "kvobs/hot_path.py"} <= members
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "kvobs/hot_path_modules.py",
+            *(f"kvobs/{name}.py" for name in HOT_PATH_MODULES)} <= members
     assert not [m for m in members if m.startswith(("demo/", "kvobs/demo/")) or "cpu_worker" in m]
     assert set(select(ROOT)) <= members  # a wheel built from the sdist (python -m build does) has them too
 

@@ -1,4 +1,4 @@
-"""Promises: the one rule the near-miss counter and the diagnosis share (kvobs/hot_path.py).
+"""Promises: the one rule the near-miss counter and the diagnosis share (kvobs/hot_promises.py).
 
 A lookup's HIT makes a promise; a removal of its key after it breaks it; a load asking for a
 broken promise is a near miss (once, until the key is removed again), counted under the reason

@@ -2,7 +2,7 @@
 
 Driven with plain callables standing in for vLLM's methods (no vLLM needed); the integration
 tests drive the same taps around vLLM's real managers. `make test` runs this file on the
-compiled form and again on the Python form of kvobs/hot_path.py.
+compiled form and again on the Python form of the hot path.
 """
 
 from __future__ import annotations

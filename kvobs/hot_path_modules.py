@@ -1,0 +1,8 @@
+"""The hot path's modules, each ``kvobs/<name>.py``, those a module imports before it.
+
+setup.py compiles them with mypyc in one group (one shared library: calls between them stay native);
+kvobs/hot_path_loader.py runs them all as source when the Python form is asked for (never a mix); the
+Makefile's install stamp depends on them. Imports nothing: setup.py and the Makefile read it by path.
+"""
+
+HOT_PATH_MODULES = ("hot_promises", "hot_captures", "hot_taps", "hot_path")
