@@ -20,6 +20,9 @@ LOG_PREFIX = "kv offload exception"
 LABEL_ROOM = 64 - max(map(len, EXCEPTION_CAUSES)) - 1
 """Characters of a site label: ``kvobs_offload_exceptions``'s totals key, cause and site, is a short label
 (``kvobs.wire.format.MAX_SHORT_LABEL``, 64)."""
+THROUGH_CONNECTOR = "through the connector's "
+THROUGH_MANAGER = "through the offload manager's "
+"""How the line names the call it left through (``kvobs explain`` reads both: kvobs/explain_tracebacks.py)."""
 MAX_MESSAGE = 2_000
 """Characters of the exception's own text kept."""
 SURVIVED = "computed instead (kvobs survive)"
@@ -36,7 +39,8 @@ class OffloadException:
     """Everything a report, a span and a log line say of one exception at the boundary."""
 
     side: str
-    """``scheduler`` or ``worker``: the connector's side it left through."""
+    """``scheduler`` or ``worker``: the connector's side it left through; ``manager``: it left vLLM's manager
+    through kvobs's taps, with no kvobs connector above (vLLM's own ``OffloadingConnector``, ``kvobs.observe()``)."""
     method: str
     """The connector's method it left (``build_connector_meta``, ...)."""
     cause: str
@@ -84,7 +88,9 @@ class OffloadException:
         raised = ""
         if self.raised_at is not None:
             raised = f"; raised at {self.raised_at.file}:{self.raised_at.line} in {self.raised_at.function}"
-        return (f"{LOG_PREFIX} at {where}{said}{raised}; through the connector's {self.side}-side "
-                f"{self.method}; {self.exception_type}: {self.vllm_message[:300].replace(chr(10), chr(92) + 'n')}; "
+        through = (f"{THROUGH_MANAGER}{self.method}" if self.side == "manager"
+                   else f"{THROUGH_CONNECTOR}{self.side}-side {self.method}")
+        text = self.vllm_message[:300].replace(chr(10), chr(92) + "n")
+        return (f"{LOG_PREFIX} at {where}{said}{raised}; {through}; {self.exception_type}: {text}; "
                 f"requests: {list(self.req_ids)[:16]!r}; cause: {self.cause}; vLLM {self.releases.get('vllm', '?')}"
                 + (f"; {SURVIVED}" if self.recomputed else ""))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs.boundary import LOG_PREFIX, SURVIVED
+from kvobs.boundary import LOG_PREFIX, SURVIVED, THROUGH_CONNECTOR, THROUGH_MANAGER
 from kvobs.sites import MAX_EXPRESSION
 
 OFFLOAD_CODE = (
@@ -65,6 +65,7 @@ CARETS = re.compile(r"^\s*[\^~]+\s*$")
 KVOBS_SITE = re.compile(re.escape(LOG_PREFIX)
                         + r" at (?P<file>[^\s:]{1,500}):(?P<line>\d{1,9}) in (?P<function>[^\s(;]{1,200})")
 KVOBS_CALL = re.compile(r"(?P<side>\w{1,20})-side (?P<method>\w{1,100}); (?P<type>[\w.]{1,200}): ")
+KVOBS_MANAGER_CALL = re.compile(r"(?P<method>\w{1,100}); (?P<type>[\w.]{1,200}): ")
 KVOBS_TAIL = re.compile(r"; cause: (?P<cause>\w{1,40})(?:; vLLM (?P<vllm>[^\s;]{1,40}))?")
 CONNECTOR_HINT = (
     "Next time, run vLLM with kvobs's connector so each exception is reported with the requests involved: "
@@ -236,7 +237,9 @@ class TracebackScanner:
         if site is None:
             return False
         rest = text[site.end():site.end() + MAX_KVOBS_LINE]
-        through = rest.find("; through the connector's ")
+        through, marker = rest.find(f"; {THROUGH_CONNECTOR}"), THROUGH_CONNECTOR
+        if through < 0:
+            through, marker = rest.find(f"; {THROUGH_MANAGER}"), THROUGH_MANAGER
         expression = statement = ""
         told: dict[str, Any] = {}
         exc_type = message = None
@@ -250,10 +253,11 @@ class TracebackScanner:
                 expression = said[2:-1]
                 if expression.startswith("assert "):
                     expression, statement = expression[len("assert "):], "assert"
-            call = KVOBS_CALL.match(rest, through + len("; through the connector's "))
+            call = (KVOBS_CALL if marker == THROUGH_CONNECTOR else KVOBS_MANAGER_CALL).match(
+                rest, through + 2 + len(marker))
             if call is not None:
                 exc_type = call["type"]
-                told.update(side=call["side"], method=call["method"])
+                told.update(side=call.groupdict().get("side") or "manager", method=call["method"])
                 after = rest[call.end():]
                 cut = after.rfind("; requests: ")
                 message = after[:cut if cut >= 0 else len(after)][:MAX_MESSAGE] or None
@@ -395,7 +399,9 @@ def render(entries: list[LoggedException], not_shown: int, have_data: bool, sour
         out.append(f"  seen in: {', '.join(seen)}")
         told = entry.kvobs or {}
         if told.get("method"):
-            out.append(f"  kvobs (in the log): through the connector's {told.get('side')}-side {told['method']}, "
+            through = (f"{THROUGH_MANAGER}{told['method']}" if told.get("side") == "manager"
+                       else f"{THROUGH_CONNECTOR}{told.get('side')}-side {told['method']}")
+            out.append(f"  kvobs (in the log): {through}, "
                        f"cause {told.get('cause')}, requests {told.get('req_ids', [])!r}"[:600])
             if told.get("raised_at"):
                 out.append(f"    raised at {told['raised_at']} (outside vLLM's package)")

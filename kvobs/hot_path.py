@@ -131,6 +131,8 @@ class Recorder:
         # A bit per CPU-tier slot: set when its chunk is loaded, cleared when the chunk is removed, so a
         # removal tells a chunk never read since its store (issue 29: "is the tier doing anything").
         self._read = bytearray((max(0, num_stamps) + 7) >> 3)
+        self.on_raise: Callable[[str, BaseException, tuple[Any, ...]], None] | None = None
+        """Told of an exception leaving vLLM's manager through a tap (:meth:`raised`; kvobs/vllm/manager.py sets it)."""
         self.loaded_chunk_ids: Callable[[Any], Any] | None = None
         """The CPU-tier slots a successful load's result names (kvobs.vllm.compat.loaded_chunk_ids), set when
         the policy is hooked; None: loads are counted, no read bit is set."""
@@ -271,6 +273,16 @@ class Recorder:
                 self._on_backlog()
             except Exception as exc:
                 self.on_error("record.removal", exc)
+
+    def raised(self, method: str, exc: BaseException, args: tuple[Any, ...]) -> None:
+        """An exception is leaving vLLM's manager through the tap of ``method`` (the tap re-raises it): told to
+        ``on_raise``, never raising (its faults count under ``boundary``)."""
+        on_raise = self.on_raise
+        if on_raise is not None:
+            try:
+                on_raise(method, exc, args)
+            except Exception as fault:
+                self.on_error("boundary", fault)
 
     def apply_now(self, stage: str) -> None:
         """Every capture applied before this returns (faults counted under ``stage``)."""

@@ -65,12 +65,20 @@ class LookupTap:
                     result = self.inner(key, req_context)
                 else:
                     result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
+            except Exception as exc:
+                rec.raised("lookup", exc, (key, req_context))
+                raise
             finally:
                 rec.frame = before
-        elif exclude_tier_idx is _ABSENT:
-            result = self.inner(key, req_context)
         else:
-            result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
+            try:
+                if exclude_tier_idx is _ABSENT:
+                    result = self.inner(key, req_context)
+                else:
+                    result = self.inner(key, req_context, exclude_tier_idx=exclude_tier_idx)
+            except Exception as exc:
+                rec.raised("lookup", exc, (key, req_context))
+                raise
         try:
             req_id = req_context.req_id
         except Exception as exc:  # not a request context kvobs knows: nothing to capture, vLLM's answer stands
@@ -96,6 +104,9 @@ class KeysTap:
         rec.frame = (self.path, req_context, get_ident())
         try:
             result = self.inner(keys, req_context) if success is _ABSENT else self.inner(keys, req_context, success)
+        except Exception as exc:
+            rec.raised(self.name, exc, (keys, req_context))
+            raise
         finally:
             rec.frame = before
         if rec.flight_calls:
@@ -120,6 +131,9 @@ class StoreTap:
         rec.frame = (self.path, req_context, get_ident())
         try:
             result = self.inner(keys, req_context)
+        except Exception as exc:
+            rec.raised("prepare_store", exc, (keys, req_context))
+            raise
         finally:
             rec.frame = before
         if result is not None:
@@ -150,6 +164,9 @@ class RequestTap:
                 result = self.inner(req_context)
             else:
                 result = self.inner(req_context, exclude_tier_idx=exclude_tier_idx)
+        except Exception as exc:
+            rec.raised("on_request_finished", exc, (req_context,))
+            raise
         finally:
             rec.frame = before
         try:
@@ -179,6 +196,9 @@ class CallTap:
         rec.frame = (self.path, None, get_ident())
         try:
             result = self.inner(*args, **kwargs)
+        except Exception as exc:
+            rec.raised(self.name, exc, args)
+            raise
         finally:
             rec.frame = before
         if rec.flight_calls:
@@ -194,7 +214,11 @@ class NewRequestTap:
         self.inner = inner
 
     def __call__(self, req_context: Any) -> Any:
-        result = self.inner(req_context)
+        try:
+            result = self.inner(req_context)
+        except Exception as exc:
+            self.rec.raised("on_new_request", exc, (req_context,))
+            raise
         rec = self.rec
         if rec.flight_calls:
             try:
@@ -220,7 +244,11 @@ class KeysPassTap:
         self.name = name
 
     def __call__(self, keys: Any, req_context: Any) -> Any:
-        result = self.inner(keys, req_context)
+        try:
+            result = self.inner(keys, req_context)
+        except Exception as exc:
+            self.rec.raised(self.name, exc, (keys, req_context))
+            raise
         rec = self.rec
         if rec.flight_calls:
             rec.flight_captured(self.name, keys, req_context, None)
@@ -237,7 +265,11 @@ class PassTap:
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.inner(*args, **kwargs)
+        try:
+            result = self.inner(*args, **kwargs)
+        except Exception as exc:
+            self.rec.raised(self.name, exc, args)
+            raise
         rec = self.rec
         if rec.flight_calls:
             rec.call_captured((_CALL, self.name, args, kwargs or None, None))
@@ -304,8 +336,12 @@ class LoadTap:
             except Exception as fault:
                 rec.on_error("diagnosis", fault)
             if instead is None:
+                rec.raised("prepare_load", exc, (keys, req_context))  # reported unless it was explained
                 raise
             return instead  # survive mode's decision, made once, in the failure callback
+        except Exception as exc:
+            self.rec.raised("prepare_load", exc, (keys, req_context))
+            raise
         rec = self.rec
         try:
             req_id = req_context.req_id

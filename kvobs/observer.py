@@ -219,6 +219,9 @@ class Observer:
         self.explained: deque[BaseException] = deque(maxlen=4)
         """The latest exceptions a failed load's explanation published: the connector's boundary
         (kvobs/vllm/boundary.py) reports each of them no second time."""
+        self.guarded = False
+        """kvobs's connector sits above this manager (it set this): its boundary reports an exception leaving
+        the manager, with the requests' lifecycle, so the manager's taps do not (kvobs/vllm/manager.py)."""
         self._drain_lock = threading.RLock()
         self._draining = False
         self.forked_from: int | None = None

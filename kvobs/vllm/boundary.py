@@ -174,12 +174,14 @@ class Boundary:
 
 
 def _involved(method: str, args: tuple[Any, ...]) -> list[str]:
-    """The requests a call involved: its request argument, else its scheduler output's requests."""
+    """The requests a call involved: its request argument (a connector's ``Request``, a manager call's
+    ``ReqContext``, whichever position it has), else its scheduler output's requests."""
     if not args:
         return []
-    req_id = compat.request_id_of(args[0])
-    if req_id is not None:
-        return [req_id]
+    for arg in args[:3]:
+        req_id = compat.request_id_of(arg)
+        if req_id is not None:
+            return [req_id]
     if method == "build_connector_meta":
         return compat.output_request_ids(args[0])
     return []
@@ -230,7 +232,7 @@ def _boundary(connector: Any) -> Boundary:
     found: Boundary | None = connector.__dict__.get("_kvobs_boundary")
     if found is None:
         side = "scheduler" if getattr(connector, "connector_scheduler", None) is not None else "worker"
-        found = Boundary(side, lambda: _observer_of(connector), lambda: _options_of(connector))
+        found = Boundary(side, lambda: observer_of(connector), lambda: _options_of(connector))
         connector.__dict__["_kvobs_boundary"] = found
     return found
 
@@ -240,7 +242,7 @@ def boundary_of(connector: Any) -> Boundary:
     return _boundary(connector)
 
 
-def _observer_of(connector: Any) -> Observer | None:
+def observer_of(connector: Any) -> Observer | None:
     """kvobs's observer of the connector's manager (its scheduler side with kvobs's spec), else None."""
     scheduler = getattr(connector, "connector_scheduler", None)
     observer = getattr(getattr(scheduler, "manager", None), "observer", None)

@@ -964,8 +964,10 @@ def worker_spec(connector: Any) -> Any | None:
 
 
 def request_id_of(request: Any) -> str | None:
-    """A vLLM ``Request``'s id (None for anything else)."""
+    """A vLLM ``Request``'s id, or a manager call's ``ReqContext``'s (None for anything else)."""
     req_id = getattr(request, "request_id", None)
+    if req_id is None and isinstance(request, ReqContext):
+        req_id = request.req_id
     return req_id if isinstance(req_id, str) else None
 
 

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvobs.options import OptionError
 from kvobs.vllm import compat
-from kvobs.vllm.boundary import boundary_of, guard
+from kvobs.vllm.boundary import boundary_of, guard, observer_of
 from kvobs.vllm.survive import SURVIVED_ATTRIBUTE, SURVIVED_REQUESTS_ATTRIBUTE, Survival, failed_blocks
 from kvobs.vllm.trace_context import TraceHeaders
 
@@ -40,6 +40,9 @@ class ObservedOffloadingConnector(OffloadingConnector):
         self._kvobs_failed_requests: set[str] = set()  # the same, for the request-level path (several groups)
         self._kvobs_request_level = False
         self._kvobs_block_size = int(vllm_config.cache_config.block_size)
+        observer = observer_of(self)
+        if observer is not None:
+            observer.guarded = True  # this boundary reports what leaves the manager (with the requests' lifecycle)
         if self.connector_scheduler is not None:
             try:
                 self._kvobs_survival, self._kvobs_request_level = _arm_survival(

@@ -53,6 +53,7 @@ from kvobs.keys import key_group
 from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
 from kvobs.vllm import compat, vllm_metrics
+from kvobs.vllm.boundary import Boundary
 from kvobs.vllm.evidence import observer_for
 from kvobs.vllm.signatures import class_signature, dressed
 from kvobs.vllm.survive import Survival
@@ -202,6 +203,7 @@ class ObservedOffloadingManager(OffloadingManager):
         put(self, "_kvobs_observer", observer)
         put(self, "_kvobs_cpu", compat.cpu_tier_of(inner))
         taps = _taps(inner, observer, self._kvobs_load_failed)
+        observer.recorder.on_raise = self._kvobs_raised
         # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
         survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
         put(self, "_kvobs_survival", survival)
@@ -305,6 +307,20 @@ class ObservedOffloadingManager(OffloadingManager):
                 self._kvobs_observer.internal_error("shutdown", exc)
 
     # -- the explanation ------------------------------------------------------------
+
+    def _kvobs_raised(self, method: str, exc: BaseException, args: tuple[Any, ...]) -> None:
+        """A tap's callback on an exception leaving vLLM's manager: reported as at the connector's boundary
+        (site, request, span, counter, log line, failure report: kvobs/vllm/boundary.py, side ``manager``), unless
+        kvobs's connector above reports it with the requests' lifecycle (``Observer.guarded``) or it is
+        ``prepare_load``'s assertion, explained (``Observer.explained``). Never raises."""
+        observer = self._kvobs_observer
+        if observer.guarded:
+            return
+        boundary = self.__dict__.get("_kvobs_boundary")
+        if boundary is None:
+            boundary = Boundary("manager", lambda: observer)
+            object.__setattr__(self, "_kvobs_boundary", boundary)
+        boundary.left(method, exc, args)
 
     def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> Any:
         """The load tap's callback on vLLM's assertion, after it redeemed the near misses: the

@@ -265,3 +265,68 @@ def test_a_failed_load_kvobs_explains_is_reported_once_as_before(tmp_path: Path)
         assert sum(observer.counts["exceptions"].values()) == 0
     finally:
         scheduler.shutdown()
+
+
+def test_an_exception_leaving_the_manager_under_vllms_own_connector_is_reported_by_the_taps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kvobs's spec under vLLM's own connector scheduler (no kvobs connector above it): an exception leaving
+    vLLM's manager (here its lookup: demo.defects.LookupRaisesSpec, OSError EIO, as a failed tier) is reported
+    by the manager's taps, side ``manager`` (report, span, counter, log line), and propagates unchanged."""
+    from demo.engine import DEFECT_TRIGGER_ENV
+
+    trigger = tmp_path / "trigger"
+    monkeypatch.setenv(DEFECT_TRIGGER_ENV, str(trigger))
+    directory = tmp_path / "kvobs"
+    extra = {"spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
+             "kvobs": {"inner_spec": "LookupRaisesSpec", "inner_spec_module_path": "demo.defects",
+                       "dir": str(directory)}}
+    scheduler, _, kv_cache_config = driver.build_scheduler(extra, hybrid=False, num_cpu_chunks=16)
+    observer = scheduler.manager.observer
+    assert not observer.guarded, "vLLM's own connector: no kvobs boundary above the manager"
+    caplog.set_level(logging.ERROR, logger="kvobs")
+    try:
+        steps = driver.EngineStepDriver(scheduler, kv_cache_config)
+        trigger.touch()
+        with pytest.raises(OSError, match="could not be read") as info:
+            steps.step([driver.make_request("r1", list(range(1, 4 * modelless_config.BLOCK_SIZE + 2)))])
+        assert info.value.errno == 5  # vLLM's caller gets the tier's exception unchanged
+        (report,) = list(iter_reports(directory / "failures"))
+        assert (report["side"], report["method"], report["cause"], report["req_ids"]) == (
+            "manager", "lookup", "vllm_exception", ["r1"])
+        # Raised below vLLM's code (the injected tier), and the taps see the traceback up to themselves.
+        assert report["site"] is None and report["raised_at"]["function"] == "lookup_that_raises"
+        assert +observer.counts["exceptions"] == {"vllm_exception": 1}
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv offload exception at ")]
+        assert "at outside vLLM's package; raised at defects.py:" in line
+        assert "; through the offload manager's lookup; OSError: " in line
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_vllm_assertion_inside_the_manager_is_named_at_its_site_by_the_taps(tmp_path: Path) -> None:
+    """vLLM's own assert inside its CPU manager, reached through a tapped method with no kvobs connector: a
+    ``complete_load`` of a chunk nobody pinned fails ``assert chunk.ref_cnt > 0`` (every release). The flight
+    recorder taps ``complete_load`` (without it kvobs does not sit on that method: docs/vllm.md)."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    directory = tmp_path / "kvobs"
+    extra = {"spec_name": "ObservedOffloadingSpec", "spec_module_path": "kvobs.vllm",
+             "kvobs": {"inner_spec": "CPUOffloadingSpec", "dir": str(directory), "flight_calls": 1000}}
+    scheduler, _, _ = driver.build_scheduler(extra, hybrid=False, num_cpu_chunks=16)
+    manager = scheduler.manager
+    try:
+        key, ctx = make_offload_key(b"\x07" * 32, 0), ReqContext("req-x")
+        assert manager.prepare_store([key], ctx) is not None
+        manager.complete_store([key], ctx)
+        with pytest.raises(AssertionError, match="ref_cnt is already 0"):
+            manager.complete_load([key], ctx)
+        (report,) = list(iter_reports(directory / "failures"))
+        assert (report["side"], report["method"], report["cause"], report["req_ids"]) == (
+            "manager", "complete_load", "vllm_assertion", ["req-x"])
+        site = report["site"]
+        assert (site["file"], site["function"], site["statement"], site["expression"]) == (
+            "v1/kv_offload/cpu/manager.py", "complete_load", "assert", "chunk.ref_cnt > 0")
+        assert +manager.observer.counts["exceptions"] == {f"vllm_assertion {report['site_label']}": 1}
+    finally:
+        scheduler.shutdown()

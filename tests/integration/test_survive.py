@@ -362,6 +362,9 @@ def test_a_lookup_that_raises_reports_no_hit_and_the_request_computes_its_prefix
                 scheduler.get_num_new_matched_tokens(second, 0)
             assert info.value.errno == 5
             assert manager.observer.recomputes.counts["loads"] == 0
+            # reported once, by the connector's boundary (the manager's taps leave it to it: Observer.guarded)
+            reports = [json.loads(p.read_text()) for p in sorted((directory / "failures").glob("*.json"))]
+            assert [(r["side"], r["method"]) for r in reports] == [("scheduler", "get_num_new_matched_tokens")]
             return
         meta = steps.step([second])
         assert steps.num_external_tokens["second"] == 0, "no hit reported"
