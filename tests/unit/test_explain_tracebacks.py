@@ -162,6 +162,20 @@ def test_a_survived_exception_is_said_to_be_survived() -> None:
     assert "survived" not in render([], 0, False, "log", exceptions=[plain])
 
 
+def test_a_manager_side_line_is_read() -> None:
+    """Without kvobs's connector the manager's taps write the line, naming the manager's method."""
+    line = ("kv offload exception at v1/kv_offload/cpu/manager.py:261 in complete_load (assert chunk.ref_cnt > 0); "
+            "through the offload manager's complete_load; AssertionError: Chunk b'x' ref_cnt is already 0; "
+            "requests: ['req-x']; cause: vllm_assertion; vLLM 0.34.0")
+    [entry] = _scan(PREFIXES["0.31.0+"].format(dp=0) + line + "\n")
+    assert entry.site == ("v1/kv_offload/cpu/manager.py", "complete_load", 261)
+    assert entry.kvobs == {"side": "manager", "method": "complete_load", "req_ids": ["req-x"],
+                           "cause": "vllm_assertion", "vllm": "0.34.0", "recomputed": False}
+    assert entry.message == "Chunk b'x' ref_cnt is already 0"
+    assert "kvobs (in the log): through the offload manager's complete_load, cause vllm_assertion" in render(
+        [], 0, False, "log", exceptions=[entry])
+
+
 def test_json_formatter_exc_info_is_decoded() -> None:
     """vLLM's JSON formatter (0.32.0+) puts the traceback in ``exc_info``; Docker's json-file wraps it again."""
     record = json.dumps({"asctime": "2026-12-06 10:00:00", "levelname": "ERROR", "processName": "EngineCore_DP1",
