@@ -73,9 +73,9 @@ def load(path: str) -> Bundle:
     except ValueError as exc:
         raise ReplayError(f"{path}: {exc}") from None
     failure = header.get("failure")
-    if failure is not None and not (isinstance(failure, dict) and calls and calls[-1][0] == "prepare_load"
-                                    and len(calls[-1][1]) == 2):
-        raise ReplayError(f"{path}: the failure is not a load the window ends with")
+    if failure is not None and not (isinstance(failure, dict) and calls
+                                    and calls[-1][0] == failure.get("method", "prepare_load")):
+        raise ReplayError(f"{path}: the failure is not the call the window ends with")
     for index, call in enumerate(calls):
         problem = _check_call(call, len(keys))
         if problem is not None:
@@ -137,9 +137,11 @@ class Outcome:
     diverged: list[tuple[int, str]] = field(default_factory=list)
 
     def reproduces(self, bundle: Bundle) -> bool:
-        """vLLM's own assertion, the recorded text, at the last call (the load that failed)."""
+        """vLLM's own exception, of the recorded type (an assertion for a failed load) and text, at the last
+        call (the one that failed)."""
         failure = bundle.failure
-        return (failure is not None and self.raised_at == self.calls - 1 and self.exception == FAILED
+        return (failure is not None and self.raised_at == self.calls - 1
+                and self.exception == failure.get("exception_type", FAILED)
                 and self.message == failure.get("vllm_message"))
 
 
@@ -186,7 +188,9 @@ def pinned(bundle: Bundle) -> list[int]:
     """Calls a minimised sequence keeps whatever else it drops: the failed load, and each latest lookup by its
     request that promised one of its keys (without the promise, a missing chunk is no bug)."""
     last = len(bundle.calls) - 1
-    _, args, _, _ = bundle.calls[last]
+    method, args, _, _ = bundle.calls[last]
+    if method != "prepare_load" or len(args) != 2:
+        return [last]  # another call's exception: no promise to keep
     keys, req = {bundle.keys[i] for i in decode_indices(args[0][1])}, args[1][1]  # by value: each segment
     promise: dict[bytes, int] = {}  # has its own key table, so one key may have two indices
     for index, (method, call_args, _, recorded) in enumerate(bundle.calls[:last]):

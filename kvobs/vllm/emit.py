@@ -2,9 +2,10 @@
 
 The file rebuilds the manager's state at the window's start from values (kvobs.state_codec, copied into the
 file, with the table of vLLM classes it may hold imported by their names in the installed vLLM), makes the
-calls (each lookup asserts the answer it gave in production) and ends with the load that failed: it expects
-that load to succeed, as the lookup before it promised, so the test fails with vLLM's own assertion while
-the bug is there, and passes once it is fixed. Nothing of kvobs is imported.
+calls (each lookup asserts the answer it gave in production) and ends with the call that failed (a load, or
+another manager call that raised): it expects that call to succeed, as the lookups before a load promised, so
+the test fails with vLLM's own exception while the bug is there, and passes once it is fixed. Nothing of kvobs
+is imported.
 
 Built, not pasted (SECURITY.md): the file's code is this module's text; every value from the bundle (keys,
 request ids, answers, the state, the recorded messages) reaches it only as ``repr`` of bytes, str, int, bool
@@ -99,7 +100,7 @@ def render(bundle: Bundle, indices: Sequence[int]) -> str:
         if method == "lookup" and isinstance(recorded, str):
             body.append(f"    assert str({call}) == {recorded!r}  # as it answered in production")
         elif index == indices[-1] and failure:
-            body.append("    # vLLM asserted here in production: RECORDED['vllm_message']")
+            body.append("    # vLLM raised here in production: RECORDED['vllm_message']")
             body.append(f"    {call}")
         else:
             body.append(f"    {call}")
@@ -112,9 +113,9 @@ def render(bundle: Bundle, indices: Sequence[int]) -> str:
     source = f'''"""A vLLM KV-offload failure, reproduced from a kvobs replay bundle ({len(indices)} calls).
 
 STATE is the manager and its live requests at the start of the recording, as values, rebuilt with the classes
-of the vLLM release in RECORDED (run this with that release). The last call is the load that failed. Each lookup
-before it asserts what it answered in production; the load is expected to succeed, as they promised, so this
-test fails while the bug is there. RECORDED["message"] is what kvobs said at the time.
+of the vLLM release in RECORDED (run this with that release). The last call is the one that failed. Each lookup
+before it asserts what it answered in production; the last call is expected to succeed (a load, as they
+promised), so this test fails while the bug is there. RECORDED["message"] is what kvobs said at the time.
 """
 
 from __future__ import annotations

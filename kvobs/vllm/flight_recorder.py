@@ -28,6 +28,7 @@ from kvobs.replay_requests import Answerer, Request
 from kvobs.vllm import compat
 
 if TYPE_CHECKING:
+    from kvobs.boundary import OffloadException
     from kvobs.journal import JournalSink
 
 FAILED = "AssertionError"
@@ -115,16 +116,15 @@ def write_bundle(
     manager: OffloadingManager,
     observer: Observer,
     failure: dict[str, Any] | None = None,
-    failing_call: tuple[Collection[bytes], Any] | None = None,
+    failing_call: tuple[str, tuple[Any, ...], str] | None = None,
     requested: str | None = None,
 ) -> int:
-    """Write ``manager``'s flight window to ``path`` (with the failed load, when there is one); its size.
-    The window is read with every capture applied (``Observer.applied``). A window over ``flight_bytes`` is
-    left out (the header says why)."""
+    """Write ``manager``'s flight window to ``path`` (with the call that failed, when there is one: its method,
+    arguments and the exception's type name); its size. The window is read with every capture applied
+    (``Observer.applied``). A window over ``flight_bytes`` is left out (the header says why)."""
     window: FlightWindow | None = observer.flight
     header = _header(manager, observer, window)
-    last = None if failing_call is None else (CALL, "prepare_load", (list(failing_call[0]), failing_call[1]), None,
-                                              FAILED)
+    last = None if failing_call is None else (CALL, failing_call[0], failing_call[1], None, failing_call[2])
     empty: tuple[bytes | None, float, list[bytes], list[Any]] = (None, 0.0, [], [])
     state, since, keys, calls = empty if window is None else window.window(observer.applied(lambda: window.view(last)))
     reason = observer.flight_off_reason if window is None else window.off_reason
@@ -150,7 +150,7 @@ def write_bundle(
 
 def _bundle_in_dir(
     manager: OffloadingManager, observer: Observer, failure: dict[str, Any] | None = None,
-    failing_call: tuple[Collection[bytes], Any] | None = None, requested: str | None = None,
+    failing_call: tuple[str, tuple[Any, ...], str] | None = None, requested: str | None = None,
 ) -> tuple[Path, int]:
     """A bundle in ``<dir>/replay/`` (the oldest beyond ``MAX_BUNDLES`` deleted), or in ``replay/requested/``
     when the sidecar asked for it (this engine's oldest beyond ``MAX_BUNDLES`` deleted): its path and size."""
@@ -198,9 +198,9 @@ def bundle_on_failure(
         if last is not None and now - last < SURVIVED_BUNDLE_EVERY_S:
             return None
     observer.last_bundle_at = now
-    failure = {"method": "prepare_load", "req_id": req_context.req_id, "vllm_message": vllm_message,
-               "message": message, "cause": cause, "recomputed": recomputed}
-    path, size = _bundle_in_dir(manager, observer, failure, (list(keys), req_context))
+    failure = {"method": "prepare_load", "req_id": req_context.req_id, "exception_type": FAILED,
+               "vllm_message": vllm_message, "message": message, "cause": cause, "recomputed": recomputed}
+    path, size = _bundle_in_dir(manager, observer, failure, ("prepare_load", (list(keys), req_context), FAILED))
     if not recomputed:
         window = observer.flight
         why_not = observer.flight_off_reason if window is None else window.off_reason
@@ -209,4 +209,25 @@ def bundle_on_failure(
                          path, size, path)
         else:
             logger.error("kvobs: replay bundle for this failure: %s, without a window to replay (%s)", path, why_not)
+    return str(path)
+
+
+def bundle_on_exception(manager: OffloadingManager, observer: Observer, method: str, args: tuple[Any, ...],
+                        exc: BaseException, failure: OffloadException) -> str | None:
+    """At an exception leaving vLLM's manager through a tap (kvobs/vllm/manager.py), with ``dir`` set and the
+    recorder running: a bundle whose window ends with that call, as :func:`bundle_on_failure` writes one for a
+    failed load (``kvobs replay`` makes the calls again and expects the same exception there). Its path, or
+    None (no recorder, a forked child, a method the recorder does not record)."""
+    if observer.options.dir is None or observer.options.flight_calls <= 0 or observer.forked_from is not None:
+        return None
+    if method not in compat.CALL_ARGS:
+        return None
+    req_ids = list(failure.req_ids)
+    record = {"method": method, "req_id": req_ids[0] if req_ids else None, "exception_type": type(exc).__name__,
+              "vllm_message": failure.vllm_message, "message": failure.message, "cause": failure.cause,
+              "site": None if failure.site is None else failure.site.to_json(), "recomputed": False}
+    observer.last_bundle_at = time.monotonic()
+    path, size = _bundle_in_dir(manager, observer, record, (method, tuple(args), type(exc).__name__))
+    logger.error("kvobs: replay bundle for this exception: %s (%d bytes); reproduce it with: kvobs replay %s",
+                 path, size, path)
     return str(path)

@@ -41,6 +41,7 @@ import abc
 import copy
 import dataclasses
 import inspect
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -204,6 +205,7 @@ class ObservedOffloadingManager(OffloadingManager):
         put(self, "_kvobs_cpu", compat.cpu_tier_of(inner))
         taps = _taps(inner, observer, self._kvobs_load_failed)
         observer.recorder.on_raise = self._kvobs_raised
+        put(self, "_kvobs_bundled", deque(maxlen=4))
         # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
         survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
         put(self, "_kvobs_survival", survival)
@@ -309,18 +311,29 @@ class ObservedOffloadingManager(OffloadingManager):
     # -- the explanation ------------------------------------------------------------
 
     def _kvobs_raised(self, method: str, exc: BaseException, args: tuple[Any, ...]) -> None:
-        """A tap's callback on an exception leaving vLLM's manager: reported as at the connector's boundary
-        (site, request, span, counter, log line, failure report: kvobs/vllm/boundary.py, side ``manager``), unless
-        kvobs's connector above reports it with the requests' lifecycle (``Observer.guarded``) or it is
-        ``prepare_load``'s assertion, explained (``Observer.explained``). Never raises."""
+        """A tap's callback on an exception leaving vLLM's manager (``prepare_load``'s assertion, explained, aside:
+        ``Observer.explained``): reported as at the connector's boundary (site, request, span, counter, log line,
+        failure report: kvobs/vllm/boundary.py, side ``manager``) unless kvobs's connector above reports it with
+        the requests' lifecycle (``Observer.guarded``); and, with the flight recorder on, a replay bundle whose
+        window ends with this call (the state is the manager's). Never raises (the recorder counts a fault)."""
         observer = self._kvobs_observer
-        if observer.guarded:
+        if any(e is exc for e in observer.explained) or any(e is exc for e in self._kvobs_bundled):
             return
         boundary = self.__dict__.get("_kvobs_boundary")
         if boundary is None:
             boundary = Boundary("manager", lambda: observer)
             object.__setattr__(self, "_kvobs_boundary", boundary)
-        boundary.left(method, exc, args)
+        if not observer.guarded:
+            boundary.left(method, exc, args)
+        if observer.options.flight_calls > 0 and observer.options.dir is not None:
+            self._kvobs_bundled.append(exc)  # an outer tap of the same call (tiering) writes none again
+            try:
+                from kvobs.vllm.flight_recorder import bundle_on_exception
+
+                bundle_on_exception(self._kvobs_inner, observer, method, args, exc,
+                                    boundary.failure(method, exc, args))
+            except Exception as fault:
+                observer.internal_error("flight", fault)
 
     def _kvobs_load_failed(self, exc: AssertionError, keys: Collection[bytes], req_context: Any) -> Any:
         """The load tap's callback on vLLM's assertion, after it redeemed the near misses: the

@@ -14,6 +14,8 @@ import dataclasses
 import inspect
 import json
 import logging
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -328,5 +330,27 @@ def test_a_vllm_assertion_inside_the_manager_is_named_at_its_site_by_the_taps(tm
         assert (site["file"], site["function"], site["statement"], site["expression"]) == (
             "v1/kv_offload/cpu/manager.py", "complete_load", "assert", "chunk.ref_cnt > 0")
         assert +manager.observer.counts["exceptions"] == {f"vllm_assertion {report['site_label']}": 1}
+
+        # The state is the manager's, and the recorder runs: a bundle whose window ends with that call, which
+        # kvobs replay makes again on vLLM's bare manager, to the same assertion.
+        from kvobs.vllm import bundle_replay
+
+        (path,) = (directory / "replay").glob("*.kvobs-replay.zip")
+        bundle = bundle_replay.load(str(path))
+        assert bundle.failure is not None and (bundle.failure["method"], bundle.failure["exception_type"]) == (
+            "complete_load", "AssertionError")
+        assert [c[0] for c in bundle.calls][-3:] == ["prepare_store", "complete_store", "complete_load"]
+        outcome = bundle_replay.replay(bundle)
+        assert outcome.reproduces(bundle), outcome
+        kept = bundle_replay.minimize(bundle, budget_s=30)
+        assert [bundle.calls[i][0] for i in kept] == ["prepare_store", "complete_load"]  # the chunk, unpinned
+        assert bundle_replay.replay(bundle, kept).reproduces(bundle)
+        from kvobs.vllm import emit
+
+        test_file = tmp_path / "test_emitted.py"
+        test_file.write_text(emit.render(bundle, kept), encoding="utf-8")
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 1 and "ref_cnt is already 0" in run.stdout, run.stdout[-2000:]
     finally:
         scheduler.shutdown()
