@@ -24,6 +24,22 @@ HYBRID_PROMPTS = shared_prefix_workload(seed=3, documents_count=10, rounds=3)
 come back from the CPU tier."""
 
 
+def serve_in_survive_mode(engine_python: Path, model: Path, tmp_path: Path,
+                          defect: str) -> tuple[Sidecar, VllmServer, Path, Path]:
+    """A sidecar and a ``vllm serve`` with kvobs's connector in survive mode over the demo's ``defect`` spec
+    (demo/defects.py); with the kvobs directory and the defect's trigger file."""
+    directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
+    sidecar = Sidecar(directory).start()
+    config = offload_config(
+        kvobs_options={"dir": str(directory), "survive": True},
+        inner_spec=defect, inner_spec_module_path="demo.defects",
+        connector="ObservedOffloadingConnector", load_failure_policy="recompute",
+    )
+    server = serve(engine_python, model, tmp_path / "engine.log", kv_transfer_config=config,
+                   served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
+    return sidecar, server, directory, trigger
+
+
 def complete_with_the_defect_armed_every_other_request(
     server: VllmServer, prompts: list[str], trigger: Path
 ) -> tuple[list[str], int]:
@@ -45,15 +61,7 @@ def complete_with_the_defect_armed_every_other_request(
 def test_missing_chunks_are_recomputed_and_every_output_equals_the_run_without_offloading(
     engine_python: Path, tiny_llama: Path, reference_outputs: list[str], tmp_path: Path
 ) -> None:
-    directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
-    sidecar = Sidecar(directory).start()
-    config = offload_config(
-        kvobs_options={"dir": str(directory), "survive": True},
-        inner_spec="LookupEvictsSpec", inner_spec_module_path="demo.defects",
-        connector="ObservedOffloadingConnector", load_failure_policy="recompute",
-    )
-    server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
-                   served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
+    sidecar, server, directory, trigger = serve_in_survive_mode(engine_python, tiny_llama, tmp_path, "LookupEvictsSpec")
     try:
         outputs, times_fired = complete_with_the_defect_armed_every_other_request(server, REFERENCE_PROMPTS, trigger)
         assert server.healthy(), "the engine stopped"
@@ -132,15 +140,7 @@ def test_a_lookup_that_raises_is_survived_and_every_output_equals_the_run_withou
     known to raise). Without survive mode that exception leaves the connector and EngineCore dies
     (tests/integration/test_survive.py checks it propagates unchanged); with it, kvobs reports the
     exception at its site and answers "no hit", vLLM computes the prefix itself, and the engine serves on."""
-    directory, trigger = tmp_path / "kvobs", tmp_path / "defect-trigger"
-    sidecar = Sidecar(directory).start()
-    config = offload_config(
-        kvobs_options={"dir": str(directory), "survive": True},
-        inner_spec="LookupRaisesSpec", inner_spec_module_path="demo.defects",
-        connector="ObservedOffloadingConnector", load_failure_policy="recompute",
-    )
-    server = serve(engine_python, tiny_llama, tmp_path / "engine.log", kv_transfer_config=config,
-                   served_model_name=SERVED, env={TRIGGER_ENV: str(trigger)})
+    sidecar, server, directory, trigger = serve_in_survive_mode(engine_python, tiny_llama, tmp_path, "LookupRaisesSpec")
     try:
         outputs, times_fired = complete_with_the_defect_armed_every_other_request(server, REFERENCE_PROMPTS, trigger)
         assert server.healthy(), "the engine stopped"
