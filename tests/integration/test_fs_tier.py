@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
 from demo.driver import EngineStepDriver, build_scheduler
@@ -30,6 +35,8 @@ from demo.incidents import (
 )
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
+from kvobs.tracing import TracingSink
+from kvobs.wire.decode import iter_reports
 from tests.support.scheduler_harness import DOCUMENT, FILLERS
 from tests.support.vllm_env import VLLM, create_spec, key, observed_extra
 
@@ -92,11 +99,21 @@ def test_a_promotion_after_a_deferred_lookup_evicts_a_counted_hit(tmp_path: Path
 
 
 def test_mtp_retained_history_is_a_coverage_mismatch_on_0_30_only(tmp_path: Path) -> None:
+    """vLLM #56701 (MTP-retained sliding-window history the lookup never checks), the likely class of vLLM
+    #54914 (docs/vllm.md, "The reported classes, by release"): it still kills 0.30.0's engine, with nothing
+    injected. What an operator gets for it: the message, the failure report, the span, the counter at the
+    sidecar, and ``kvobs explain`` of the logged assertion with the directory."""
     scheduler, driver = observed_fs(tmp_path, **PRODUCTION, extra_retained_tokens=MTP_RETAINED_TOKENS,
                                     num_cpu_chunks=40)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = scheduler.manager.observer
+    for sink in observer.sinks:
+        if isinstance(sink, TracingSink):
+            sink._given = provider  # the test's provider: what any exporter would get
     try:
         error = run(driver, promotion_after_deferral, DOCUMENT, FILLERS)
-        observer = scheduler.manager.observer
         if VLLM >= (0, 31):  # #56709: the connector's lookup window counts the retained tokens
             assert error is None and observer.failures.total() == 0
             assert removals_by_path(scheduler).get("lookup", 0) > 0
@@ -108,6 +125,22 @@ def test_mtp_retained_history_is_a_coverage_mismatch_on_0_30_only(tmp_path: Path
         assert observer.failures["coverage_mismatch"] == 1
     finally:
         scheduler.shutdown()
+    directory = tmp_path / "kvobs"
+    (report,) = list(iter_reports(directory / "failures"))
+    assert (report["cause"], report["group"], report["req_id"]) == ("coverage_mismatch", 1, "c")
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "kv_offload.prepare_load"]
+    assert span.attributes is not None and span.attributes["kv_offload.cause"] == "coverage_mismatch"
+    ingest = Ingest(directory)
+    ingest.poll()
+    families = {family.name: family for family in KvobsCollector(ingest).collect()}
+    failures = {s.labels["cause"]: s.value for s in families["kvobs_load_failures"].samples}
+    assert failures["coverage_mismatch"] == 1
+    log = tmp_path / "engine.log"
+    log.write_text(f"(EngineCore_DP0 pid=1) ERROR 12-07 05:00:00 [core.py:1] AssertionError: {text}\n")
+    told = subprocess.run([sys.executable, "-m", "kvobs.cli", "explain", "--dir", str(directory), str(log)],
+                          capture_output=True, text=True, timeout=120)
+    assert told.returncode == 0, told.stderr
+    assert "coverage_mismatch" in told.stdout and report["id"] in told.stdout, told.stdout
 
 
 def test_vllm_50014_with_the_fs_tier(tmp_path: Path) -> None:
