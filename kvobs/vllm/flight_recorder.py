@@ -216,17 +216,23 @@ def bundle_on_exception(manager: OffloadingManager, observer: Observer, method: 
                         exc: BaseException, failure: OffloadException) -> str | None:
     """At an exception leaving vLLM's manager through a tap (kvobs/vllm/manager.py), with ``dir`` set and the
     recorder running: a bundle whose window ends with that call, as :func:`bundle_on_failure` writes one for a
-    failed load (``kvobs replay`` makes the calls again and expects the same exception there). Its path, or
-    None (no recorder, a forked child, a method the recorder does not record)."""
+    failed load (``kvobs replay`` makes the calls again and expects the same exception there), at most one every
+    ``SURVIVED_BUNDLE_EVERY_S`` with any other bundle (survive mode answers some, and they can repeat). Its
+    path, or None (no recorder, a forked child, a method the recorder does not record, one written too
+    recently)."""
     if observer.options.dir is None or observer.options.flight_calls <= 0 or observer.forked_from is not None:
         return None
     if method not in compat.CALL_ARGS:
         return None
+    now = time.monotonic()
+    last = observer.last_bundle_at
+    if last is not None and now - last < SURVIVED_BUNDLE_EVERY_S:
+        return None  # bounded time on the scheduler thread: a survived one repeats (a tier that keeps failing)
     req_ids = list(failure.req_ids)
     record = {"method": method, "req_id": req_ids[0] if req_ids else None, "exception_type": type(exc).__name__,
               "vllm_message": failure.vllm_message, "message": failure.message, "cause": failure.cause,
               "site": None if failure.site is None else failure.site.to_json(), "recomputed": False}
-    observer.last_bundle_at = time.monotonic()
+    observer.last_bundle_at = now
     path, size = _bundle_in_dir(manager, observer, record, (method, tuple(args), type(exc).__name__))
     logger.error("kvobs: replay bundle for this exception: %s (%d bytes); reproduce it with: kvobs replay %s",
                  path, size, path)

@@ -352,5 +352,10 @@ def test_a_vllm_assertion_inside_the_manager_is_named_at_its_site_by_the_taps(tm
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert run.returncode == 1 and "ref_cnt is already 0" in run.stdout, run.stdout[-2000:]
+
+        with pytest.raises(AssertionError, match="ref_cnt is already 0"):  # again at once: reported, no bundle
+            manager.complete_load([key], ctx)
+        assert len(list(iter_reports(directory / "failures"))) == 2
+        assert len(list((directory / "replay").glob("*.kvobs-replay.zip"))) == 1, "at most one a minute"
     finally:
         scheduler.shutdown()
