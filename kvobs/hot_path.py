@@ -141,13 +141,13 @@ class Recorder:
         # The flight recorder (kvobs/flight.py), off until flight_on(): applied calls go to ``flight_segment``,
         # snapshots to ``flight``; every ``_flight_segment`` calls the scheduler thread snapshots the manager's
         # state (``_snapshot``).
-        self.flight: Callable[[bytes], None] | None = None
+        self.flight: Callable[[Any], None] | None = None
         self.flight_segment: FlightSegment | None = None
         self.flight_over: Callable[[FlightSegment], None] | None = None
         """Called (applier side) when ``flight_segment`` crosses its budget (kvobs.flight.FlightWindow.over)."""
         self.flight_calls = False
         """Whether the taps capture the calls only the flight recorder needs (a store, a completion...)."""
-        self._snapshot: Callable[[], bytes | None] | None = None
+        self._snapshot: Callable[[], Any] | None = None
         self.flight_live: dict[str, Any] = {}
         """With the flight recorder on: the request contexts of requests started and not finished, by id (the
         snapshot keeps their state); at most ``flight_live_limit``, the oldest forgotten."""
@@ -225,7 +225,7 @@ class Recorder:
             return
         self.call_captured(_FLAT_CAPTURE)
 
-    def flight_on(self, on_snapshot: Callable[[bytes], None], snapshot: Callable[[], bytes | None],
+    def flight_on(self, on_snapshot: Callable[[Any], None], snapshot: Callable[[], Any],
                   segment: int) -> None:
         """Keep a flight recording: every ``segment`` calls (or when ``flight_segment`` is over its budget) the
         state ``snapshot()`` returns is captured between two calls, and handed to ``on_snapshot`` when applied

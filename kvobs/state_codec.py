@@ -25,8 +25,10 @@ imports neither kvobs nor vLLM: ``kvobs replay --emit-test`` copies it into the 
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +63,134 @@ _PLAIN = (*_LEAVES, bytes)
 FORMAT = 1
 
 
+class Frozen:
+    """An object of a table class as :func:`freeze` found it: its class and its attributes then (their values
+    frozen in turn). Stands in for the live object until :func:`encode_frozen` writes it."""
+
+    __slots__ = ("attrs", "cls")
+
+    def __init__(self, cls: type, attrs: dict[str, Any]) -> None:
+        self.cls = cls
+        self.attrs = attrs
+
+
+class _Copy:
+    """A container as :func:`freeze` found it: its node kind, its items (a mapping's keys, its values apart in
+    ``values``) and a deque's ``maxlen``. Never mutated: the live container can change meanwhile."""
+
+    __slots__ = ("items", "kind", "maxlen", "values")
+
+    def __init__(self, kind: str, items: list[Any], values: list[Any] | None = None, maxlen: int | None = None):
+        self.kind = kind
+        self.items = items
+        self.values = values
+        self.maxlen = maxlen
+
+
+_PLAIN_SET = frozenset(_PLAIN)
+_STRUCTS: dict[type, bool] = {}
+
+
+def _plain_struct(cls: type) -> bool:
+    """Whether ``cls`` is a ctypes structure of scalar fields only (no pointer): its bytes are all its state,
+    so ``from_buffer_copy`` is a faithful copy, made in C (vLLM's ``ChunkStatus``, one per resident chunk)."""
+    found = _STRUCTS.get(cls)
+    if found is None:
+        fields: Any = getattr(cls, "_fields_", None) if issubclass(cls, ctypes.Structure) else None
+        found = _STRUCTS[cls] = bool(fields) and all(
+            isinstance(f, tuple) and len(f) >= 2 and isinstance(f[1], type) and issubclass(f[1], ctypes._SimpleCData)
+            and getattr(f[1], "_type_", "z") not in "zZPO" for f in fields)
+    return found
+
+
+def _settled(values: list[Any], depth: int, types: set[type] | None = None) -> bool:
+    """Whether every value is plain, or a plain tuple of settled values: nothing in them can change, so a
+    container of them is frozen by copying it (in C, however many; ``types``: theirs, when known)."""
+    if types is None:
+        types = set(map(type, values))
+    if types <= _PLAIN_SET:
+        return True
+    if types - _PLAIN_SET != {tuple} or depth > MAX_DEPTH:
+        return False
+    tuples = values if len(types) == 1 else itertools.compress(values, map(operator.is_, map(type, values),
+                                                                           itertools.repeat(tuple)))
+    return _settled(list(itertools.chain.from_iterable(tuples)), depth + 1)
+
+
+def freeze(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> Any:
+    """``value`` as it is now, cheaply, for :func:`encode_frozen` to write later: containers copied (in C where
+    their items are plain), table objects' attributes read (``attributes``), ctypes chunk statuses copied. What
+    the live objects do afterwards changes nothing in it. The flight recorder freezes the manager on vLLM's
+    thread and encodes on kvobs's (kvobs.vllm.compat ``freeze_state``): 1 ms instead of 30 at 4,096 chunks
+    (docs/performance.md). Classes outside ``table`` are kept as they are, for :func:`encode_frozen` to refuse."""
+    tags = {entry.cls: tag for tag, entry in table.items()}
+    memo: dict[int, Any] = {}  # id of a live object -> its stand-in (one object referenced twice stays one)
+    keep: list[Any] = []  # what memo's ids stand for, alive until the end
+
+    def items(values: list[Any], depth: int) -> list[Any]:
+        types = set(map(type, values))
+        if _settled(values, depth, types):
+            return values
+        if len(types) == 1:
+            cls: Any = next(iter(types))
+            tag = tags.get(cls)
+            if tag is not None and _plain_struct(cls) and not table[tag].singletons and table[tag].kind == "object":
+                ids = list(map(id, values))
+                if len(set(ids)) == len(ids) and memo.keys().isdisjoint(ids):
+                    copies = list(map(cls.from_buffer_copy, values))
+                    memo.update(zip(ids, copies, strict=True))
+                    keep.append(values)
+                    return copies
+        return [one(v, depth) for v in values]
+
+    def one(obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"state nested deeper than {MAX_DEPTH}")
+        cls = type(obj)
+        if cls in _PLAIN:
+            return obj
+        if cls is tuple:
+            return obj if _settled([obj], depth) else _Copy("t", items(list(obj), depth + 1))
+        if cls is list:
+            return _Copy("l", items(list(obj), depth + 1))
+        if cls is set or cls is frozenset:
+            return _Copy("s" if cls is set else "f", items(list(obj), depth + 1))
+        if cls is dict or cls is collections.OrderedDict:
+            return _Copy("d" if cls is dict else "D", items(list(obj), depth + 1), items(list(obj.values()), depth + 1))
+        if cls is collections.deque:
+            return _Copy("q", items(list(obj), depth + 1), maxlen=obj.maxlen)
+        tag = tags.get(cls)
+        if tag is None or isinstance(obj, type):
+            return obj  # a class, or one encode_frozen refuses
+        entry = table[tag]
+        if entry.kind == "tuple":
+            return obj if _settled(list(obj), depth + 1) else tuple.__new__(cls, items(list(obj), depth + 1))
+        if entry.kind != "object" or any(getattr(cls, s) is obj for s in entry.singletons):
+            return obj  # an enum member, a class's own instance: constants
+        found = memo.get(id(obj))
+        if found is not None:
+            return found
+        keep.append(obj)
+        if _plain_struct(cls):
+            found = memo[id(obj)] = cls.from_buffer_copy(obj)
+            return found
+        frozen = memo[id(obj)] = Frozen(cls, {})  # before its attributes: they may refer back to it
+        attrs = attributes(obj)
+        frozen.attrs = dict(zip(attrs, items(list(attrs.values()), depth + 1), strict=True))
+        return frozen
+
+    return one(value, 0)
+
+
 def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> bytes:
     """``value`` as bytes; ``attributes(obj)`` gives an ``object`` entry's attributes (vLLM's live objects
     are read without their ``__dict__``: kvobs.vllm.compat). TypeError for a value outside the table."""
+    return encode_frozen(freeze(value, table, attributes), table, attributes)
+
+
+def encode_frozen(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> bytes:
+    """What :func:`freeze` made of a value, as bytes (the same bytes :func:`encode` of the value then gives).
+    TypeError for a value outside the table."""
     tags = {entry.cls: tag for tag, entry in table.items()}
     memo: dict[int, int] = {}
     keep: list[Any] = []  # what memo's ids stand for, alive until the end
@@ -99,21 +226,24 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
         cls = type(obj)
         if cls in _PLAIN:
             return each((obj,), depth)[0]
-        if cls is list:
-            return ["l", each(obj, depth + 1)]
+        if cls is _Copy:
+            kind = obj.kind
+            if kind == "d" or kind == "D":
+                return [kind, each(itertools.chain.from_iterable(zip(obj.items, obj.values, strict=True)), depth + 1)]
+            if kind == "q":
+                return ["q", each(obj.items, depth + 1), obj.maxlen]
+            return [kind, each(obj.items, depth + 1)]
         if cls is tuple:
             return ["t", each(obj, depth + 1)]
-        if cls is set or cls is frozenset:
-            return ["s" if cls is set else "f", each(obj, depth + 1)]
-        if cls is dict or cls is collections.OrderedDict:
-            return ["d" if cls is dict else "D", each(itertools.chain.from_iterable(obj.items()), depth + 1)]
-        if cls is collections.deque:
-            return ["q", each(obj, depth + 1), obj.maxlen]
         if isinstance(obj, type):
             tag = tags.get(obj)
             if tag is None:
                 raise TypeError(f"class {obj.__module__}.{obj.__qualname__} is not in the snapshot table")
             return ["c", name(tag)]
+        if cls is Frozen:
+            cls = obj.cls
+        elif cls in (list, set, frozenset, dict, collections.OrderedDict, collections.deque):
+            raise TypeError(f"a {cls.__name__} that freeze() did not copy")
         tag = tags.get(cls)
         if tag is None:
             raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not in the snapshot table")
@@ -132,7 +262,7 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
             return ["r", seen]
         memo[id(obj)] = ident = len(memo)
         keep.append(obj)
-        attrs = attributes(obj)
+        attrs = obj.attrs if type(obj) is Frozen else attributes(obj)
         values = each(attrs.values(), depth + 1)
         flat: list[Any] = []
         for attribute, v in zip(attrs, values, strict=True):

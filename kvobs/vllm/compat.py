@@ -68,10 +68,11 @@ it to the inner manager, unobserved, unless it cannot (:func:`check` says which)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -580,19 +581,43 @@ def decode_value(blob: bytes) -> Any:
 def snapshot_state(manager: OffloadingManager, contexts: list[Any]) -> bytes:
     """The CPU manager's state and its live requests' as data: ``(manager, {req_id: ReqContext})``, written by
     kvobs.state_codec from the classes of :data:`SNAPSHOT_MODULES` only, rebuilt with vLLM alone
-    (:func:`rebuild_state`). The manager and its cache policy are written from their attributes read one by
-    one (:func:`_live_state`), so kvobs's policy taps (instance attributes the class does not set) are left
-    out and the live objects stay as fast as they were; requests as :func:`plain_context` makes them.
-    TypeError when the state holds an object of another class."""
-    import gc
+    (:func:`rebuild_state`): :func:`encode_state` of :func:`freeze_state`. TypeError when the state holds an
+    object of another class."""
+    return encode_state(freeze_state(manager, contexts))
+
+
+def freeze_state(manager: OffloadingManager, contexts: list[Any]) -> Any:
+    """The state :func:`snapshot_state` writes, as it is now, for :func:`encode_state` to write later, on another
+    thread (kvobs.state_codec.freeze: containers copied, chunk statuses copied in C). The manager and its cache
+    policy are read attribute by attribute (:func:`_live_state`), so kvobs's policy taps (instance attributes
+    the class does not set) are left out and the live objects stay as fast as they were; requests as
+    :func:`plain_context` makes them. The part of a snapshot vLLM's thread pays for."""
+    from kvobs.state_codec import freeze
 
     plain = {ctx.req_id: plain_context(ctx) for ctx in contexts}
-    # The temporaries are acyclic and gone at return: collections meanwhile would only walk the whole heap
-    # (vLLM's too) again and again, 2-8 times the snapshot's own time at 20,000 chunks (docs/performance.md).
+    with _collector_paused():
+        return freeze((manager, plain), snapshot_table(), _snapshot_attributes)
+
+
+def encode_state(frozen: Any) -> bytes:
+    """What :func:`freeze_state` froze, as a blob :func:`rebuild_state` reads."""
+    from kvobs.state_codec import encode_frozen
+
+    with _collector_paused():
+        return encode_frozen(frozen, snapshot_table(), _snapshot_attributes)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off meanwhile: a snapshot's temporaries are acyclic and gone at its end, and
+    collections meanwhile would only walk the whole heap (vLLM's too) again and again, 2-8 times the snapshot's
+    own time at 20,000 chunks (docs/performance.md)."""
+    import gc
+
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return encode_value((manager, plain))
+        yield
     finally:
         if enabled:
             gc.enable()
@@ -601,17 +626,10 @@ def snapshot_state(manager: OffloadingManager, contexts: list[Any]) -> bytes:
 def rebuild_state(blob: bytes) -> tuple[Any, dict[str, Any]]:
     """The manager and its live requests a :func:`snapshot_state` blob holds; StateError if it holds anything
     else."""
-    import gc
-
     from kvobs.state_codec import StateError
 
-    enabled = gc.isenabled()  # as in snapshot_state: what decoding allocates stays, collections only rewalk it
-    gc.disable()
-    try:
+    with _collector_paused():  # as in a snapshot: what decoding allocates stays, collections only rewalk it
         state = decode_value(blob)
-    finally:
-        if enabled:
-            gc.enable()
     if not (isinstance(state, tuple) and len(state) == 2 and CPUOffloadingManager is not None
             and isinstance(state[0], CPUOffloadingManager) and isinstance(state[1], dict)
             and all(isinstance(k, str) and isinstance(v, ReqContext) for k, v in state[1].items())):

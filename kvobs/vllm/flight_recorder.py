@@ -78,19 +78,32 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
     window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS, compat.encode_value)
     observer.flight = window
 
-    def snapshot() -> bytes | None:
-        """The state now; None, and the recorder off with the reason, when it cannot be written any more (an
-        object of a class outside the snapshot table, an attribute vLLM does not set): a limit, not a fault of
-        kvobs's."""
+    def unsnapshottable(exc: Exception) -> None:
+        window.off(f"the manager's state cannot be snapshotted any more: {exc!r}")
+        observer.flight_off_reason = window.off_reason
+        logger.warning("kvobs: flight recorder off: %s", window.off_reason)
+
+    def snapshot() -> Any:
+        """The state now, frozen on vLLM's thread (the cheap half: kvobs.vllm.compat.freeze_state); None, and
+        the recorder off with the reason, when it cannot be read any more (an attribute vLLM does not set): a
+        limit, not a fault of kvobs's."""
         try:
-            return compat.snapshot_state(manager, list(rec.flight_live.values()))
+            return compat.freeze_state(manager, list(rec.flight_live.values()))
         except _UNSNAPSHOTTABLE as exc:
-            window.off(f"the manager's state cannot be snapshotted any more: {exc!r}")
-            observer.flight_off_reason = window.off_reason
-            logger.warning("kvobs: flight recorder off: %s", window.off_reason)
+            unsnapshottable(exc)
             return None
 
-    rec.flight_on(window.on_snapshot, snapshot, options.flight_calls)
+    def on_snapshot(frozen: Any) -> None:
+        """A frozen state was applied: written as data here, by whoever applies (kvobs's applier, mostly), and
+        a new segment starts from it; an object of a class outside the snapshot table turns the recorder off."""
+        try:
+            state = compat.encode_state(frozen)
+        except _UNSNAPSHOTTABLE as exc:
+            unsnapshottable(exc)
+            return
+        window.on_snapshot(state)
+
+    rec.flight_on(on_snapshot, snapshot, options.flight_calls)
     return window
 
 
