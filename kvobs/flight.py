@@ -130,12 +130,13 @@ class FlightWindow:
     def _decoded(self, segment: Any, offset: int, held: int) -> list[Encoded]:
         out: list[Encoded] = []
         start = 0
+        extras_of = segment.extras_of(held)
         for i in range(held):  # the calls the segment held when viewed (the applier may append more meanwhile)
             method = segment.methods[i]
             end = segment.key_ends[i]
             refs = [r + offset for r in segment.key_refs[start:end]]
             start = end
-            extras = dict(segment.extras.get(i, ()))
+            extras = dict(extras_of.get(i, ()))
             args: list[tuple[str, Any]] = []
             for position, role in enumerate(self.roles.get(method, ())):
                 if role == "key":

@@ -53,11 +53,11 @@ class FlightSegment:
 
     Call ``i`` is ``methods[i]`` of request ``req_ids[reqs[i]]`` (-1: none), answering
     ``outcome_values[outcomes[i]]`` (-1: nothing kept), with keys ``keys[key_refs[j]]`` for ``j`` from
-    ``key_ends[i - 1]`` to ``key_ends[i]``, and any other argument in ``extras[i]`` (``(position, value)``
-    pairs, a value other than None, a bool, an int or a str written as data by ``encode``; keywords at
-    position -1, the same). No Python object per call: filled by kvobs's applier, the garbage collector never
-    walks it, and it keeps no vLLM object alive but the keys. ``roles`` is kvobs.vllm.compat.CALL_ARGS,
-    ``encode`` kvobs.vllm.compat.encode_value (no pickle: SECURITY.md).
+    ``key_ends[i - 1]`` to ``key_ends[i]``, and any other argument in the ``extra_`` columns (:meth:`extras_of`:
+    ``(position, value)`` pairs, a value other than None, a bool, an int or a str written as data by
+    ``encode``; keywords at position -1, the same). No Python object per call: filled by kvobs's applier, the
+    garbage collector never walks it, and it keeps no vLLM object alive but the keys. ``roles`` is
+    kvobs.vllm.compat.CALL_ARGS, ``encode`` kvobs.vllm.compat.encode_value (no pickle: SECURITY.md).
     """
 
     def __init__(self, state: bytes, taken: float, roles: dict[str, tuple[str, ...]], budget: int,
@@ -78,7 +78,11 @@ class FlightSegment:
         self._req_index: dict[str, int] = {}
         self.outcome_values: list[Any] = []
         self._outcome_codes: dict[Any, int] = {}
-        self.extras: dict[int, list[tuple[int, Any]]] = {}
+        # Any other argument, in three columns (no object per call): call ``extra_calls[j]``'s argument at
+        # position ``extra_positions[j]`` is ``extra_values[j]`` (None, a bool, an int, a str or ``encode``'s bytes).
+        self.extra_calls = array("I")
+        self.extra_positions = array("b")
+        self.extra_values: list[Any] = []
         self.nbytes = len(state)
         """Estimated bytes: the snapshot, ``_CALL_BYTES`` a call, ``_REF_BYTES`` a key reference,
         ``_KEY_BYTES`` a key or request first seen."""
@@ -131,11 +135,14 @@ class FlightSegment:
         self.key_ends.append(len(self.key_refs))
         return self.nbytes > self.budget
 
-    def add_flat(self, method: str, req_id: str | None, outcome: Any, keys: list[bytes]) -> bool:
-        """Record a call captured flat (``Recorder.flight_captured``); True once over the budget."""
+    def add_flat(self, method: str, req_id: str | None, outcome: Any, keys: list[bytes], flag: bool | None) -> bool:
+        """Record a call captured flat (``Recorder.flight_captured``; ``flag``, unless None, its third
+        argument); True once over the budget."""
         self._call(method, req_id, outcome)
         for key in keys:
             self._key(key)
+        if flag is not None:
+            self._extra(2, flag)
         self.key_ends.append(len(self.key_refs))
         return self.nbytes > self.budget
 
@@ -174,10 +181,18 @@ class FlightSegment:
         if not (value is None or isinstance(value, (bool, int, str))):
             value = self._encode(value)
             self.nbytes += len(value)
-        index = len(self.methods) - 1
-        found = self.extras.get(index)
-        if found is None:
-            self.extras[index] = [(position, value)]
-        else:
-            found.append((position, value))
+        self.extra_calls.append(len(self.methods) - 1)
+        self.extra_positions.append(position)
+        self.extra_values.append(value)
         self.nbytes += _CALL_BYTES
+
+    def extras_of(self, held: int) -> dict[int, list[tuple[int, Any]]]:
+        """The other arguments of the first ``held`` calls: ``(position, value)`` pairs by call (for a bundle:
+        kvobs.flight.FlightWindow)."""
+        out: dict[int, list[tuple[int, Any]]] = {}
+        for i in range(len(self.extra_calls)):
+            call = self.extra_calls[i]
+            if call >= held:
+                break
+            out.setdefault(call, []).append((self.extra_positions[i], self.extra_values[i]))
+        return out

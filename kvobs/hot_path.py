@@ -95,9 +95,10 @@ class Recorder:
         self._extend: Callable[[tuple[Any, ...]], None] = self.captures.extend  # read once: compiled, a lookup a call
         self._made = 0  # captures made (on vLLM's threads)
         self._applied = 0  # captures applied (one thread at a time: the observer's drain lock)
-        # A call only the flight recorder keeps is captured flat: its method, request id, outcome and key count
-        # here, its keys in ``flight_keys``, and ``_FLAT`` alone in ``captures`` to keep its place. No object is
-        # made or kept alive per call, so none has to be collected (docs/performance.md, issue 32).
+        # A call only the flight recorder keeps is captured flat: its method, request id, outcome, key count and
+        # flag (a third argument, or None) here, its keys in ``flight_keys``, and ``_FLAT`` alone in ``captures``
+        # to keep its place. No object is made or kept alive per call, so none has to be collected
+        # (docs/performance.md, issue 32).
         self.flight_items: deque[Any] = deque()
         self.flight_keys: deque[bytes] = deque()
         self._capture_wake = max(1, capture_wake)
@@ -203,11 +204,12 @@ class Recorder:
         if self._flight_left <= 0:
             self.roll()
 
-    def flight_captured(self, method: str, keys: Any, req_context: Any, outcome: Any) -> None:
+    def flight_captured(self, method: str, keys: Any, req_context: Any, outcome: Any, flag: bool | None) -> None:
         """Capture, flat, a call only the flight recorder keeps: ``method(keys, ...)`` of the request
-        ``req_context`` names (``keys`` None: it took none) that answered ``outcome``. Never raises: the request
-        id is read here, inside the guard, so a context kvobs does not know turns the recorder off, not vLLM's
-        call into an exception."""
+        ``req_context`` names (``keys`` None: it took none) that answered ``outcome``, with ``flag`` as its third
+        argument (None: not passed; ``complete_store``'s ``success``). Never raises: the request id is read
+        here, inside the guard, so a context kvobs does not know turns the recorder off, not vLLM's call into
+        an exception."""
         try:
             req_id = req_context.req_id
             count = 0
@@ -219,6 +221,7 @@ class Recorder:
             items.append(req_id)
             items.append(outcome)
             items.append(count)
+            items.append(flag)
         except Exception as exc:
             self.on_error("flight", exc)
             self.flight_off()
@@ -395,9 +398,10 @@ class Recorder:
             req_id: str | None = items.popleft()
             outcome = items.popleft()
             count: int = items.popleft()
+            flag: bool | None = items.popleft()
             taken = [keys.popleft() for _ in range(count)]
             segment = self.flight_segment
-            if segment is not None and segment.add_flat(method, req_id, outcome, taken):
+            if segment is not None and segment.add_flat(method, req_id, outcome, taken, flag):
                 self._flight_over(segment)
         except Exception as exc:
             self.on_error("flight", exc)

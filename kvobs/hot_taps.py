@@ -111,7 +111,9 @@ class KeysTap:
             rec.frame = before
         if rec.flight_calls:
             if success is _ABSENT:
-                rec.flight_captured(self.name, keys, req_context, None)
+                rec.flight_captured(self.name, keys, req_context, None, None)
+            elif type(success) is bool:  # what vLLM passes: flat, its third argument kept as a bool
+                rec.flight_captured(self.name, keys, req_context, None, success)
             else:
                 rec.call_captured((_CALL, self.name, (keys, req_context, success), None, None))
         return result
@@ -142,7 +144,7 @@ class StoreTap:
             except Exception as exc:
                 rec.on_error("record.store", exc)
         if rec.flight_calls:
-            rec.flight_captured("prepare_store", keys, req_context, result is not None)
+            rec.flight_captured("prepare_store", keys, req_context, result is not None, None)
         return result
 
 
@@ -231,7 +233,7 @@ class NewRequestTap:
             if len(live) >= rec.flight_live_limit and req_id not in live:
                 del live[next(iter(live))]
             live[req_id] = req_context
-            rec.flight_captured("on_new_request", None, req_context, None)
+            rec.flight_captured("on_new_request", None, req_context, None, None)
         return result
 
 
@@ -251,7 +253,7 @@ class KeysPassTap:
             raise
         rec = self.rec
         if rec.flight_calls:
-            rec.flight_captured(self.name, keys, req_context, None)
+            rec.flight_captured(self.name, keys, req_context, None, None)
         return result
 
 

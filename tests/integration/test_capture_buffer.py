@@ -183,3 +183,36 @@ def test_pending_captures_leave_the_garbage_collector_nothing_to_walk(
         else:
             m.shutdown()
     assert young["observed"] - young["bare"] < calls // 100, young
+
+
+def test_the_flight_recorders_window_leaves_the_garbage_collector_nothing_to_walk(
+    managers: list, no_applier_thread: Callable[[ObservedOffloadingManager], None]
+) -> None:
+    """The flight recorder keeps every call in columns (kvobs.hot_captures.FlightSegment): thousands of stores
+    and completions, ``success`` passed as vLLM's connector passes it, captured and then applied into the window
+    add no object per call that the collector tracks. A list and a tuple per completion (its ``success`` kept
+    as an "extra"), as before, added two each."""
+    calls = 1000
+    grown: dict[str, int] = {}
+    for side in ("observed", "observed+flight"):
+        flight = {"flight_calls": 1_000_000} if side == "observed+flight" else {}
+        m = observed(managers, cpu_extra(CHUNKS), **flight)
+        no_applier_thread(m)
+        contexts = [ctx(m, f"req-{i}") for i in range(calls)]
+        m.observer.drain()
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            for i, context in enumerate(contexts):
+                keys = [key(i % (2 * CHUNKS))]
+                if m.prepare_store(keys, context) is not None:
+                    m.complete_store(keys, context, success=True)
+            m.observer.drain()
+            grown[side] = len(gc.get_objects()) - before
+        finally:
+            gc.enable()
+        if side == "observed+flight":
+            assert m.observer.flight is not None and m.observer.flight.calls >= 2 * calls - CHUNKS, \
+                "the recorder kept the calls"
+    assert grown["observed+flight"] - grown["observed"] < calls // 20, grown
