@@ -77,7 +77,10 @@ class FlightSegment:
         self.req_ids: list[str] = []
         self._req_index: dict[str, int] = {}
         self.outcome_values: list[Any] = []
-        self._outcome_codes: dict[Any, int] = {}
+        # By identity: an answer is one of a few objects (vLLM's LookupResult members, True, False), and an enum
+        # member's hash is a Python call. ``_outcome_objects`` keeps each alive, so no id is reused meanwhile.
+        self._outcome_codes: dict[int, int] = {}
+        self._outcome_objects: list[Any] = []
         # Any other argument, in three columns (no object per call): call ``extra_calls[j]``'s argument at
         # position ``extra_positions[j]`` is ``extra_values[j]`` (None, a bool, an int, a str or ``encode``'s bytes).
         self.extra_calls = array("I")
@@ -160,11 +163,13 @@ class FlightSegment:
         if outcome is None:
             self.outcomes.append(-1)
         else:
-            code = self._outcome_codes.get(outcome)
+            code = self._outcome_codes.get(id(outcome))
             if code is None:
-                code = self._outcome_codes[outcome] = len(self.outcome_values)
+                code = self._outcome_codes[id(outcome)] = len(self.outcome_values)
+                self._outcome_objects.append(outcome)
                 self.outcome_values.append(outcome if isinstance(outcome, (bool, str))
                                            else str(outcome))
+                self.nbytes += _KEY_BYTES
             self.outcomes.append(code)
         self.nbytes += _CALL_BYTES
 

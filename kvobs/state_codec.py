@@ -121,65 +121,9 @@ def freeze(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
     """``value`` as it is now, cheaply, for :func:`encode_frozen` to write later: containers copied (in C where
     their items are plain), table objects' attributes read (``attributes``), ctypes chunk statuses copied. What
     the live objects do afterwards changes nothing in it. The flight recorder freezes the manager on vLLM's
-    thread and encodes on kvobs's (kvobs.vllm.compat ``freeze_state``): 1 ms instead of 30 at 4,096 chunks
+    thread and encodes on kvobs's (kvobs.vllm.compat ``freeze_state``): 4 ms instead of 31 at 4,096 chunks
     (docs/performance.md). Classes outside ``table`` are kept as they are, for :func:`encode_frozen` to refuse."""
-    tags = {entry.cls: tag for tag, entry in table.items()}
-    memo: dict[int, Any] = {}  # id of a live object -> its stand-in (one object referenced twice stays one)
-    keep: list[Any] = []  # what memo's ids stand for, alive until the end
-
-    def items(values: list[Any], depth: int) -> list[Any]:
-        types = set(map(type, values))
-        if _settled(values, depth, types):
-            return values
-        if len(types) == 1:
-            cls: Any = next(iter(types))
-            tag = tags.get(cls)
-            if tag is not None and _plain_struct(cls) and not table[tag].singletons and table[tag].kind == "object":
-                ids = list(map(id, values))
-                if len(set(ids)) == len(ids) and memo.keys().isdisjoint(ids):
-                    copies = list(map(cls.from_buffer_copy, values))
-                    memo.update(zip(ids, copies, strict=True))
-                    keep.append(values)
-                    return copies
-        return [one(v, depth) for v in values]
-
-    def one(obj: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise TypeError(f"state nested deeper than {MAX_DEPTH}")
-        cls = type(obj)
-        if cls in _PLAIN:
-            return obj
-        if cls is tuple:
-            return obj if _settled([obj], depth) else _Copy("t", items(list(obj), depth + 1))
-        if cls is list:
-            return _Copy("l", items(list(obj), depth + 1))
-        if cls is set or cls is frozenset:
-            return _Copy("s" if cls is set else "f", items(list(obj), depth + 1))
-        if cls is dict or cls is collections.OrderedDict:
-            return _Copy("d" if cls is dict else "D", items(list(obj), depth + 1), items(list(obj.values()), depth + 1))
-        if cls is collections.deque:
-            return _Copy("q", items(list(obj), depth + 1), maxlen=obj.maxlen)
-        tag = tags.get(cls)
-        if tag is None or isinstance(obj, type):
-            return obj  # a class, or one encode_frozen refuses
-        entry = table[tag]
-        if entry.kind == "tuple":
-            return obj if _settled(list(obj), depth + 1) else tuple.__new__(cls, items(list(obj), depth + 1))
-        if entry.kind != "object" or any(getattr(cls, s) is obj for s in entry.singletons):
-            return obj  # an enum member, a class's own instance: constants
-        found = memo.get(id(obj))
-        if found is not None:
-            return found
-        keep.append(obj)
-        if _plain_struct(cls):
-            found = memo[id(obj)] = cls.from_buffer_copy(obj)
-            return found
-        frozen = memo[id(obj)] = Frozen(cls, {})  # before its attributes: they may refer back to it
-        attrs = attributes(obj)
-        frozen.attrs = dict(zip(attrs, items(list(attrs.values()), depth + 1), strict=True))
-        return frozen
-
-    return one(value, 0)
+    return _Freezer(table, attributes).one(value, 0)
 
 
 def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> bytes:
@@ -191,22 +135,114 @@ def encode(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, An
 def encode_frozen(value: Any, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> bytes:
     """What :func:`freeze` made of a value, as bytes (the same bytes :func:`encode` of the value then gives).
     TypeError for a value outside the table."""
-    tags = {entry.cls: tag for tag, entry in table.items()}
-    memo: dict[int, int] = {}
-    keep: list[Any] = []  # what memo's ids stand for, alive until the end
-    blobs: dict[bytes, int] = {}
-    names: dict[str, int] = {}
+    writer = _Writer(table, attributes)
+    root = writer.tree(value, 0)
+    return msgspec.msgpack.encode([FORMAT, list(writer.blobs), list(writer.names), root])
 
-    def name(text: str) -> int:
+
+_TAGS: list[Any] = [None, {}]
+"""The last table :func:`_tags` was asked for and its classes' tags (one table a process: kvobs.vllm.compat's)."""
+
+
+def _tags(table: Table) -> dict[type, str]:
+    """Each table class's tag, made once per table (a snapshot's argument is written every scheduler step)."""
+    last, tags = _TAGS
+    if last is not table:
+        tags = {entry.cls: tag for tag, entry in table.items()}
+        _TAGS[:] = [table, tags]
+    return tags
+
+
+class _Freezer:
+    """One :func:`freeze`. A class, not nested functions: a recursive closure is a reference cycle, garbage
+    only the collector frees, made on every call (the recorder writes one argument a scheduler step)."""
+
+    def __init__(self, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> None:
+        self.table = table
+        self.attributes = attributes
+        self.tags = _tags(table)
+        self.memo: dict[int, Any] = {}  # id of a live object -> its stand-in (one object referenced twice stays one)
+        self.keep: list[Any] = []  # what memo's ids stand for, alive until the end
+
+    def items(self, values: list[Any], depth: int) -> list[Any]:
+        types = set(map(type, values))
+        if _settled(values, depth, types):
+            return values
+        if len(types) == 1:
+            cls: Any = next(iter(types))
+            tag = self.tags.get(cls)
+            entry = None if tag is None else self.table[tag]
+            if entry is not None and entry.kind == "object" and not entry.singletons and _plain_struct(cls):
+                ids = list(map(id, values))
+                if len(set(ids)) == len(ids) and self.memo.keys().isdisjoint(ids):
+                    copies = list(map(cls.from_buffer_copy, values))
+                    self.memo.update(zip(ids, copies, strict=True))
+                    self.keep.append(values)
+                    return copies
+        return [self.one(v, depth) for v in values]
+
+    def one(self, obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"state nested deeper than {MAX_DEPTH}")
+        cls = type(obj)
+        if cls in _PLAIN:
+            return obj
+        if cls is tuple:
+            return obj if _settled([obj], depth) else _Copy("t", self.items(list(obj), depth + 1))
+        if cls is list:
+            return _Copy("l", self.items(list(obj), depth + 1))
+        if cls is set or cls is frozenset:
+            return _Copy("s" if cls is set else "f", self.items(list(obj), depth + 1))
+        if cls is dict or cls is collections.OrderedDict:
+            return _Copy("d" if cls is dict else "D", self.items(list(obj), depth + 1),
+                         self.items(list(obj.values()), depth + 1))
+        if cls is collections.deque:
+            return _Copy("q", self.items(list(obj), depth + 1), maxlen=obj.maxlen)
+        tag = self.tags.get(cls)
+        if tag is None or isinstance(obj, type):
+            return obj  # a class, or one encode_frozen refuses
+        entry = self.table[tag]
+        if entry.kind == "tuple":
+            return obj if _settled(list(obj), depth + 1) else tuple.__new__(cls, self.items(list(obj), depth + 1))
+        if entry.kind != "object" or any(getattr(cls, s) is obj for s in entry.singletons):
+            return obj  # an enum member, a class's own instance: constants
+        found = self.memo.get(id(obj))
+        if found is not None:
+            return found
+        self.keep.append(obj)
+        if _plain_struct(cls):
+            found = self.memo[id(obj)] = cls.from_buffer_copy(obj)
+            return found
+        frozen = self.memo[id(obj)] = Frozen(cls, {})  # before its attributes: they may refer back to it
+        attrs = self.attributes(obj)
+        frozen.attrs = dict(zip(attrs, self.items(list(attrs.values()), depth + 1), strict=True))
+        return frozen
+
+
+class _Writer:
+    """One :func:`encode_frozen` (a class for the reason :class:`_Freezer` is)."""
+
+    def __init__(self, table: Table, attributes: Callable[[Any], Mapping[str, Any]]) -> None:
+        self.table = table
+        self.attributes = attributes
+        self.tags = _tags(table)
+        self.memo: dict[int, int] = {}
+        self.keep: list[Any] = []  # what memo's ids stand for, alive until the end
+        self.blobs: dict[bytes, int] = {}
+        self.names: dict[str, int] = {}
+
+    def name(self, text: str) -> int:
+        names = self.names
         found = names.get(text)
         if found is None:
             found = names[text] = len(names)
         return found
 
-    def each(values: Iterable[Any], depth: int) -> list[Any]:
+    def each(self, values: Iterable[Any], depth: int) -> list[Any]:
         """Nodes of ``values``; plain values and bytes written here, not by a call each (a snapshot holds
         a few hundred thousand of them)."""
         out: list[Any] = []
+        blobs = self.blobs
         for v in values:
             cls = type(v)
             if cls in _LEAVES:
@@ -217,61 +253,59 @@ def encode_frozen(value: Any, table: Table, attributes: Callable[[Any], Mapping[
                     found = blobs[v] = len(blobs)
                 out.append(["b", found])
             else:
-                out.append(tree(v, depth))
+                out.append(self.tree(v, depth))
         return out
 
-    def tree(obj: Any, depth: int) -> Any:
+    def tree(self, obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise TypeError(f"state nested deeper than {MAX_DEPTH}")
         cls = type(obj)
         if cls in _PLAIN:
-            return each((obj,), depth)[0]
+            return self.each((obj,), depth)[0]
         if cls is _Copy:
             kind = obj.kind
             if kind == "d" or kind == "D":
-                return [kind, each(itertools.chain.from_iterable(zip(obj.items, obj.values, strict=True)), depth + 1)]
+                pairs = itertools.chain.from_iterable(zip(obj.items, obj.values, strict=True))
+                return [kind, self.each(pairs, depth + 1)]
             if kind == "q":
-                return ["q", each(obj.items, depth + 1), obj.maxlen]
-            return [kind, each(obj.items, depth + 1)]
+                return ["q", self.each(obj.items, depth + 1), obj.maxlen]
+            return [kind, self.each(obj.items, depth + 1)]
         if cls is tuple:
-            return ["t", each(obj, depth + 1)]
+            return ["t", self.each(obj, depth + 1)]
         if isinstance(obj, type):
-            tag = tags.get(obj)
+            tag = self.tags.get(obj)
             if tag is None:
                 raise TypeError(f"class {obj.__module__}.{obj.__qualname__} is not in the snapshot table")
-            return ["c", name(tag)]
+            return ["c", self.name(tag)]
         if cls is Frozen:
             cls = obj.cls
         elif cls in (list, set, frozenset, dict, collections.OrderedDict, collections.deque):
             raise TypeError(f"a {cls.__name__} that freeze() did not copy")
-        tag = tags.get(cls)
+        tag = self.tags.get(cls)
         if tag is None:
             raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not in the snapshot table")
-        entry = table[tag]
+        entry = self.table[tag]
         if entry.kind == "enum":
-            return ["e", name(tag), obj.name]
+            return ["e", self.name(tag), obj.name]
         for singleton in entry.singletons:
             if getattr(cls, singleton) is obj:
-                return ["a", name(tag), singleton]
+                return ["a", self.name(tag), singleton]
         if entry.kind == "tuple":
-            return ["n", name(tag), each(obj, depth + 1)]
+            return ["n", self.name(tag), self.each(obj, depth + 1)]
         if entry.kind != "object":
             raise TypeError(f"{tag} is not written as an object")
-        seen = memo.get(id(obj))
+        seen = self.memo.get(id(obj))
         if seen is not None:
             return ["r", seen]
-        memo[id(obj)] = ident = len(memo)
-        keep.append(obj)
-        attrs = obj.attrs if type(obj) is Frozen else attributes(obj)
-        values = each(attrs.values(), depth + 1)
+        self.memo[id(obj)] = ident = len(self.memo)
+        self.keep.append(obj)
+        attrs = obj.attrs if type(obj) is Frozen else self.attributes(obj)
+        values = self.each(attrs.values(), depth + 1)
         flat: list[Any] = []
         for attribute, v in zip(attrs, values, strict=True):
-            flat.append(name(attribute))
+            flat.append(self.name(attribute))
             flat.append(v)
-        return ["o", ident, name(tag), flat]
-
-    root = tree(value, 0)
-    return msgspec.msgpack.encode([FORMAT, list(blobs), list(names), root])
+        return ["o", ident, self.name(tag), flat]
 
 
 def decode(blob: bytes, table: Table) -> Any:
