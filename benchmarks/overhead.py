@@ -45,6 +45,7 @@ from benchmarks._common import (
     spread,
     write_json,
 )
+from kvobs.options import DEFAULT_FLIGHT_CALLS
 from tests.support.vllm_env import cpu_extra, create_manager, tiering_extra
 
 TARGET_RATIO = 1.03
@@ -305,10 +306,11 @@ MANAGERS: dict[str, Callable[[int], dict[str, Any]]] = {
     "tiering": lambda n: tiering_extra(n),
 }
 SIDES = ("bare", "observed", "observed+journal", "observed+flight")
-"""``observed``: kvobs.observe()'s defaults; ``observed+flight``: the same with the flight recorder on
-(``FLIGHT_CALLS``), so ``observed+flight / observed`` is what the recorder adds (issue 32)."""
-FLIGHT_CALLS = 50_000
-"""The flight recorder's window the ``observed+flight`` side keeps (README's suggestion)."""
+"""``observed``: kvobs.observe()'s defaults but the flight recorder (``flight_calls`` 0); ``observed+flight``: the
+defaults, the recorder on (``FLIGHT_CALLS``, its default since issue 43), so ``observed+flight / observed`` is what
+the recorder adds; ``observed+journal``: the defaults and a journal."""
+FLIGHT_CALLS = DEFAULT_FLIGHT_CALLS
+"""The flight recorder's window the sides with it keep (its default)."""
 TARGET_FLIGHT_RATIO = 1.03
 """What the flight recorder may add to the observed manager's scheduler-thread CPU (compiled; issue 32)."""
 
@@ -336,7 +338,7 @@ def build(trace: Trace, side: str, journal_dir: Path | None) -> OffloadingManage
     m = create_manager(MANAGERS[trace.manager](trace.workload.num_chunks))
     if side == "bare":
         return m
-    flight = {"flight_calls": FLIGHT_CALLS} if side == "observed+flight" else {}
+    flight = {"flight_calls": 0} if side == "observed" else {}
     return kvobs.observe(m, dir=str(journal_dir) if side == "observed+journal" else None, engine="bench", **flight)
 
 

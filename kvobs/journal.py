@@ -84,7 +84,7 @@ def disk_bound(options: Options, engines: int = 1) -> int:
     per_engine = KEEP_SEGMENTS * segment * (1 + options.journal_processes)
     # kvobs/bundles.py: the failures' MAX_BUNDLES and each engine's requested MAX_BUNDLES, and one being written
     # into each folder by each engine (a windowless one, a header only, is answered even with the recorder off)
-    window = options.flight_bytes if options.flight_calls > 0 else 0
+    window = options.flight_bytes if options.flight_window > 0 else 0
     bundles = (MAX_BUNDLES + engines * (MAX_BUNDLES + 2)) * (window + MAX_HEADER_BYTES)
     return engines * per_engine + options.max_reports * REPORT_BYTES + CHECKPOINT_BYTES + bundles
 

@@ -22,7 +22,7 @@ PER_REQUEST = 32
 NOT_RECORDED = (
     "calls to vLLM's scheduler-side connector made before kvobs's connector was built",
     "what vLLM's scheduler decided between connector calls (preemptions, its own queue)",
-    "the manager's calls per request beyond its lookup verdicts (the flight recorder keeps them, opt-in)",
+    "the manager's calls per request beyond its lookup verdicts (the flight recorder keeps them: a replay bundle)",
     "worker-side transfers (their results reach the scheduler side through update_connector_output)",
 )
 """What a report says the lifecycle does not hold."""

@@ -566,10 +566,11 @@ class Observer:
 
     def unavailable(self) -> dict[str, bool]:
         """The parts of kvobs its options ask for that do not work now, by part (kvobs/metric_catalogue.py's
-        ``kvobs_unavailable``): ``dir`` set and unusable; ``flight_recorder`` asked for and not running."""
+        ``kvobs_unavailable``): ``dir`` set and unusable; ``flight_recorder`` asked for by number
+        (``flight_calls``) and not running."""
         flight = self.flight
         return {"dir": self.options.dir is not None and self.dir_problem is not None,
-                "flight_recorder": self.options.flight_calls > 0
+                "flight_recorder": self.options.flight_asked
                 and (flight is None or getattr(flight, "off_reason", None) is not None)}
 
     # -- fault containment -------------------------------------------------

@@ -10,6 +10,8 @@ from typing import Any
 from kvobs.wire.format import ENGINE_LABEL_RULE, MAX_MODEL_NAME, is_engine_label, is_model_name
 
 MIN_HISTORY_SIZE = 1_024
+DEFAULT_FLIGHT_CALLS = 50_000
+"""The flight recorder's window when ``flight_calls`` is unset (docs/performance.md: what it costs)."""
 MAX_HISTORY_SIZE = 100_000_000
 
 
@@ -49,17 +51,29 @@ class Options:
     """Opt-in: a load that would assert for missing chunks asks vLLM to recompute them instead, and the
     engine goes on (README, "Survive instead of crash"). Needs kvobs's connector and vLLM's
     ``kv_load_failure_policy: "recompute"``; off, vLLM's assertion stops the engine as without kvobs."""
-    flight_calls: int = 0
-    """The flight recorder (README, "Replay a failure"), opt-in: the manager calls it keeps, from a snapshot of
-    the manager's state, for ``kvobs replay`` (between this many and twice as many; 50,000 is a good start);
-    0, the default, keeps none (it costs 6-10% of the observed manager's scheduler-thread time:
-    docs/performance.md, issue 32)."""
+    flight_calls: int | None = None
+    """The flight recorder (README, "Replay a failure"): the manager calls it keeps, from a snapshot of the
+    manager's state, for ``kvobs replay`` (between this many and twice as many). Unset, the default:
+    :data:`DEFAULT_FLIGHT_CALLS` where the manager's state can be snapshotted (vLLM's CPU manager), and none,
+    said at INFO, where it cannot (a tiering manager). A number asks for it: where it cannot run, a WARNING
+    and ``kvobs_unavailable{part="flight_recorder"}``. 0 keeps none."""
     flight_bytes: int = 32 * 2**20
     """Memory the flight recorder may take (its calls' keys and two state snapshots, estimated): a window
     that outgrows it starts afresh sooner; a manager whose state alone outgrows half of it is not recorded."""
     survive_alarm_per_hour: int = 10
     """With ``survive``: more recomputed loads than this in an hour log an ERROR and count an alarm
     (``kvobs_recompute_alarms_total``, alert ``KvobsRecomputesKeepHappening``)."""
+
+    @property
+    def flight_window(self) -> int:
+        """The calls the flight recorder keeps (``flight_calls``, or its default); 0: no recorder."""
+        return DEFAULT_FLIGHT_CALLS if self.flight_calls is None else self.flight_calls
+
+    @property
+    def flight_asked(self) -> bool:
+        """Whether ``flight_calls`` asks for the recorder by number (not by default): where it cannot run,
+        that is a configuration error to warn of."""
+        return self.flight_calls is not None and self.flight_calls > 0
 
 
 _INT_RANGES = {

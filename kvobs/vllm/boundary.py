@@ -94,14 +94,17 @@ class Boundary:
 
     # -- an exception leaving --------------------------------------------------------------
 
-    def left(self, method: str, exc: BaseException, args: tuple[Any, ...], *, recomputed: bool = False) -> None:
+    def left(self, method: str, exc: BaseException, args: tuple[Any, ...], *,
+             recomputed: bool = False) -> OffloadException | None:
         """Report ``exc`` leaving ``method`` (its caller re-raises it; ``recomputed``: survive mode answers vLLM
-        instead, and the line is a WARNING). Never raises."""
+        instead, and the line is a WARNING): the failure reported, None if none was (reported already, or a
+        fault of kvobs's). Never raises."""
+        failure = None
         try:
             observer = self._observer()
             if any(e is exc for e in self.reported) or (
                     observer is not None and any(e is exc for e in observer.explained)):
-                return  # reported by an outer call, or explained as a failed load (its own report)
+                return None  # reported by an outer call, or explained as a failed load (its own report)
             self.reported.append(exc)
             failure = self.failure(method, exc, args, recomputed=recomputed)
             self.count(failure, observer)
@@ -111,6 +114,7 @@ class Boundary:
                 observer.publish_exception(failure, exc)
             else:
                 self._span(failure, exc)
+            return failure
         except Exception as fault:  # kvobs's own fault: counted; vLLM's exception goes on
             self.faults += 1
             observer = None
@@ -120,6 +124,7 @@ class Boundary:
                 observer.internal_error("boundary", fault)
             elif self.faults == 1:
                 logger.error("kvobs internal error in boundary (counted, not raised): %r", fault)
+            return failure
 
     def failure(self, method: str, exc: BaseException, args: tuple[Any, ...], *,
                 recomputed: bool = False) -> OffloadException:

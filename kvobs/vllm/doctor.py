@@ -247,8 +247,8 @@ class Observed:
     manager: str
     knows_cpu_tier: bool
     flight_off: str | None = None
-    """Why the flight recorder ``flight_calls`` asks for stays off on this manager (None: it runs, or is not
-    asked for), found by starting it on the manager built here, as the plugin does."""
+    """Why the flight recorder (on by default, or asked for by ``flight_calls``) stays off on this manager (None:
+    it runs, or ``flight_calls`` is 0), found by starting it on the manager built here, as the plugin does."""
 
 
 def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_extra: dict[str, Any],
@@ -280,7 +280,8 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
         knows = compat.cpu_tier_of(getattr(manager, "inner", manager)) is not None
         observed = Observed(True, "ok", "", name, knows)
         observer = getattr(manager, "observer", None)
-        if observer is not None and observer.unavailable()["flight_recorder"]:
+        flight = None if observer is None else observer.flight
+        if observer is not None and observer.options.flight_window > 0 and (flight is None or flight.off_reason):
             observed.flight_off = observer.flight_off_reason or "it is off"
     finally:
         with contextlib.suppress(Exception):
@@ -301,22 +302,26 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
 
 
 def _recorder(options: Options, observed: Observed, report: Report) -> None:
-    """The flight recorder: off unless ``flight_calls`` asks for it; asked for and unable to run (a tiering
-    manager's state cannot be snapshotted) is a configuration error: the engine would log one WARNING and
-    write no replay bundle."""
-    report.data["flight_recorder"] = {"asked": options.flight_calls > 0,
-                                      "runs": options.flight_calls > 0 and observed.flight_off is None,
+    """The flight recorder: on by default where the manager's state can be snapshotted; asked for by number
+    (``flight_calls``) and unable to run (a tiering manager's state cannot be snapshotted) is a configuration
+    error: the engine would log one WARNING and write no replay bundle."""
+    calls = options.flight_window
+    report.data["flight_recorder"] = {"asked": options.flight_asked, "default": options.flight_calls is None,
+                                      "runs": calls > 0 and observed.flight_off is None,
                                       "why_not": observed.flight_off}
-    if options.flight_calls <= 0:
-        report.say("flight recorder", "off (flight_calls is 0, the default): no replay bundles")
-    elif observed.flight_off is not None:
+    if calls <= 0:
+        report.say("flight recorder", "off (flight_calls is 0): no replay bundles")
+    elif observed.flight_off is not None and options.flight_asked:
         report.say("flight recorder", f"asked for (flight_calls={options.flight_calls}) but it cannot run on "
                    f"{observed.manager}: {observed.flight_off}; the engine would log a WARNING and write no replay "
                    "bundle (set flight_calls to 0, or use CPUOffloadingSpec)", CONFIG_ERROR)
+    elif observed.flight_off is not None:
+        report.say("flight recorder", f"off: on by default, but it cannot run on {observed.manager}: "
+                   f"{observed.flight_off}; no replay bundles (said at INFO, not an error)")
     else:
-        report.say("flight recorder", f"on: the last {options.flight_calls} to {2 * options.flight_calls} manager "
-                   f"calls and snapshots, at most {options.flight_bytes / 2**20:.0f} MiB (started on "
-                   f"{observed.manager} here)")
+        report.say("flight recorder", f"on{' (the default)' if options.flight_calls is None else ''}: the last "
+                   f"{calls} to {2 * calls} manager calls and snapshots, at most "
+                   f"{options.flight_bytes / 2**20:.0f} MiB (started on {observed.manager} here)")
 
 
 def _vllm_validates(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_extra: dict[str, Any],

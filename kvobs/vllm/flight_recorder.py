@@ -60,20 +60,22 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
     """Start the flight recorder on ``manager`` (the inner manager) when the options keep one and its state
     can be snapshotted; None (and the reason in ``observer.flight_off_reason``) when not."""
     options = observer.options
-    if options.flight_calls <= 0:
+    if options.flight_window <= 0:
         observer.flight_off_reason = "the flight recorder is off (flight_calls is 0: README, 'Replay a failure')"
         return None
+    # Asked for by number and not possible: a warning, once. On by default and not possible: said at INFO.
+    say = logger.warning if options.flight_asked else logger.info
     reason = compat.flight_unsupported(manager)
-    if reason is not None:  # asked for (flight_calls) and not possible: a warning, once
+    if reason is not None:
         observer.flight_off_reason = reason
-        logger.warning("kvobs: no flight recorder on this engine: %s", reason)
+        say("kvobs: no flight recorder on this engine: %s", reason)
         return None
     rec = observer.recorder
     try:  # a manager kvobs cannot snapshot whole (an attribute its class does not set): no recorder, said once
         compat.snapshot_state(manager, [])
     except _UNSNAPSHOTTABLE as exc:
         observer.flight_off_reason = str(exc)
-        logger.warning("kvobs: no flight recorder on this engine: %s", exc)
+        say("kvobs: no flight recorder on this engine: %s", exc)
         return None
     window = FlightWindow(rec, options.flight_bytes, compat.CALL_ARGS, compat.encode_value)
     observer.flight = window
@@ -103,7 +105,7 @@ def start(manager: OffloadingManager, observer: Observer) -> FlightWindow | None
             return
         window.on_snapshot(state)
 
-    rec.flight_on(on_snapshot, snapshot, options.flight_calls)
+    rec.flight_on(on_snapshot, snapshot, options.flight_window)
     return window
 
 
@@ -116,7 +118,7 @@ def _header(manager: OffloadingManager, observer: Observer, window: FlightWindow
         "engine": options.engine,
         "model_name": options.model_name,
         "created": time.time(),
-        "options": {"flight_calls": options.flight_calls, "flight_bytes": options.flight_bytes},
+        "options": {"flight_calls": options.flight_window, "flight_bytes": options.flight_bytes},
         "snapshots": 0 if window is None else window.snapshots,
         "limits": list(LIMITS) + [f"vLLM's manager has methods kvobs forwards unrecorded ({', '.join(forwarded)}): "
                                   "a replay does not make those calls" for forwarded in [compat.unknown_methods()]
@@ -201,7 +203,7 @@ def bundle_on_failure(
     where (the engine is about to die). A load survive mode recomputed gets a bundle at most every
     ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes on; kvobs's own line said it). Its path, or
     None."""
-    if observer.options.dir is None or observer.options.flight_calls <= 0:  # no recorder asked for: no bundle
+    if observer.options.dir is None or observer.options.flight_window <= 0:  # no recorder: no bundle
         return None
     if observer.forked_from is not None:  # a forked child writes nothing into the parent's dir (kvobs/forks.py)
         return None
@@ -233,7 +235,7 @@ def bundle_on_exception(manager: OffloadingManager, observer: Observer, method: 
     ``SURVIVED_BUNDLE_EVERY_S`` with any other bundle (survive mode answers some, and they can repeat). Its
     path, or None (no recorder, a forked child, a method the recorder does not record, one written too
     recently)."""
-    if observer.options.dir is None or observer.options.flight_calls <= 0 or observer.forked_from is not None:
+    if observer.options.dir is None or observer.options.flight_window <= 0 or observer.forked_from is not None:
         return None
     if method not in compat.CALL_ARGS:
         return None

@@ -206,6 +206,7 @@ class ObservedOffloadingManager(OffloadingManager):
         taps = _taps(inner, observer, self._kvobs_load_failed)
         observer.recorder.on_raise = self._kvobs_raised
         put(self, "_kvobs_bundled", deque(maxlen=4))
+        put(self, "_kvobs_boundary", Boundary("manager", lambda: observer))  # reports what leaves the manager
         # Survive mode (opt-in): the load and its completion pass through it; else nothing changes.
         survival = Survival(inner, observer) if observer.options.survive and self._kvobs_cpu is not None else None
         put(self, "_kvobs_survival", survival)
@@ -319,19 +320,15 @@ class ObservedOffloadingManager(OffloadingManager):
         observer = self._kvobs_observer
         if any(e is exc for e in observer.explained) or any(e is exc for e in self._kvobs_bundled):
             return
-        boundary = self.__dict__.get("_kvobs_boundary")
-        if boundary is None:
-            boundary = Boundary("manager", lambda: observer)
-            object.__setattr__(self, "_kvobs_boundary", boundary)
-        if not observer.guarded:
-            boundary.left(method, exc, args)
-        if observer.options.flight_calls > 0 and observer.options.dir is not None:
+        boundary = self._kvobs_boundary
+        failure = None if observer.guarded else boundary.left(method, exc, args)
+        if observer.options.flight_window > 0 and observer.options.dir is not None:
             self._kvobs_bundled.append(exc)  # an outer tap of the same call (tiering) writes none again
             try:
                 from kvobs.vllm.flight_recorder import bundle_on_exception
 
                 bundle_on_exception(self._kvobs_inner, observer, method, args, exc,
-                                    boundary.failure(method, exc, args))
+                                    failure or boundary.failure(method, exc, args))
             except Exception as fault:
                 observer.internal_error("flight", fault)
 

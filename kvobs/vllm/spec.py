@@ -118,12 +118,14 @@ def observing_line(inner: OffloadingManager, observer: Any) -> str:
         where = f"directory {options.dir!r} ({dir_source(options)}) UNUSABLE, no journal: {observer.dir_problem}"
     else:
         where = f"directory {options.dir!r} ({dir_source(options)})"
-    if options.flight_calls <= 0:
+    if options.flight_window <= 0:
         flight = "off"
     elif observer.unavailable()["flight_recorder"]:
         flight = f"asked for (flight_calls={options.flight_calls}) but OFF: {observer.flight_off_reason}"
+    elif observer.flight is None or observer.flight.off_reason is not None:
+        flight = f"off (by default where the state cannot be snapshotted: {observer.flight_off_reason})"
     else:
-        flight = f"on (flight_calls={options.flight_calls}, flight_bytes={options.flight_bytes})"
+        flight = f"on (flight_calls={options.flight_window}, flight_bytes={options.flight_bytes})"
     onoff = {True: "on", False: "off"}
     return (f"kvobs observes {type(inner).__name__} on vLLM {compat.VLLM_VERSION} (engine {options.engine!r}, "
             f"model {options.model_name!r}): {where}; flight recorder {flight}; survive {onoff[options.survive]}; "

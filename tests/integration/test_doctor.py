@@ -124,10 +124,11 @@ def test_a_good_config_observes_and_leaves_the_directory_as_it_was(runs: dict[st
     assert said["survive"].startswith("armed at start-up")
     assert said["observes"].startswith("yes: every method and attribute kvobs reads of CPUOffloadingManager")
     assert said["hot path"] in ("compiled (mypyc)",) or said["hot path"].startswith("pure Python")
-    assert said["dir"].startswith(f"{tmp / 'existing'} (option dir): writable; kvobs keeps at most 1.09 GiB")
+    assert said["dir"].startswith(f"{tmp / 'existing'} (option dir): writable; kvobs keeps at most 1.40 GiB")
     assert said["result"] == "kvobs will observe this engine"
     assert said["settings"] == f"vLLM {compat.VLLM_VERSION}'s own checks of CPUOffloadingSpec's settings pass"
-    assert said["flight recorder"] == "off (flight_calls is 0, the default): no replay bundles"
+    assert said["flight recorder"] == ("on (the default): the last 50000 to 100000 manager calls and snapshots, "
+                                       "at most 32 MiB (started on CPUOffloadingManager here)")
     assert len(said) == 11
     assert sorted(str(p.relative_to(tmp)) for p in (tmp / "existing").rglob("*")) == [
         "existing/failures", "existing/journal"]  # every probe file removed

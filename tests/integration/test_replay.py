@@ -196,8 +196,22 @@ def test_an_on_demand_bundle_replays_every_call_as_recorded(managers: list, tmp_
     assert kvobs_main(["replay", str(path)]) == 0  # no failure to reproduce: every call answered as recorded
 
 
-def test_no_recorder_and_no_bundle_unless_asked_for(managers: list, tmp_path: Path) -> None:
-    m = observed(managers, cpu_extra(4), dir=str(tmp_path))  # flight_calls defaults to 0
+def test_default_options_write_a_bundle_that_replays_the_failure(managers: list, tmp_path: Path) -> None:
+    """The flight recorder is on by default (issue 43): a failed load with nothing but ``dir`` set writes a bundle,
+    and replaying it hits vLLM's own assertion at the same call."""
+    m = observed(managers, cpu_extra(4), dir=str(tmp_path))
+    assert m.observer.options.flight_calls is None and m.observer.flight is not None
+    noise(m, 20)
+    keys, a = evicted_after_lookup(m)
+    failed_load(m, keys, a)
+    bundle = load(str(next((tmp_path / BUNDLE_DIR).glob(f"*{BUNDLE_SUFFIX}"))))
+    assert bundle.header["options"]["flight_calls"] == 50_000 and bundle.failure is not None
+    outcome = replay(bundle)
+    assert outcome.reproduces(bundle), outcome
+
+
+def test_no_recorder_and_no_bundle_with_flight_calls_0(managers: list, tmp_path: Path) -> None:
+    m = observed(managers, cpu_extra(4), dir=str(tmp_path), flight_calls=0)
     assert m.observer.flight is None and "flight_calls is 0" in (m.observer.flight_off_reason or "")
     assert m.complete_load == m.inner.complete_load and m.on_new_request == m.inner.on_new_request
     keys, a = evicted_after_lookup(m)

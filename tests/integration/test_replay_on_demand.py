@@ -118,7 +118,7 @@ def test_a_requested_bundle_is_written_while_the_engine_works_and_replays(
 
 
 def test_an_engine_without_the_recorder_answers_with_why(managers: list, sidecar: Sidecar) -> None:
-    m = live_engine(managers, sidecar, "dp1")  # flight_calls 0: the default
+    m = live_engine(managers, sidecar, "dp1", flight_calls=0)
     status, _, made = post(f"{sidecar.url}{REPLAYS_PATH}?engine=dp1")
     assert status == 202 and made["engine"] == "dp1"
     listed = answered(sidecar, made["request"], m, 1_000)
