@@ -568,10 +568,16 @@ class Observer:
         """The parts of kvobs its options ask for that do not work now, by part (kvobs/metric_catalogue.py's
         ``kvobs_unavailable``): ``dir`` set and unusable; ``flight_recorder`` asked for by number
         (``flight_calls``) and not running."""
-        flight = self.flight
         return {"dir": self.options.dir is not None and self.dir_problem is not None,
-                "flight_recorder": self.options.flight_asked
-                and (flight is None or getattr(flight, "off_reason", None) is not None)}
+                "flight_recorder": self.options.flight_asked and not self.recording()}
+
+    def recording(self) -> bool:
+        """Whether the flight recorder (kvobs.flight.FlightWindow) is recording now."""
+        return self.flight is not None and self.flight.off_reason is None
+
+    def flight_why_not(self) -> str | None:
+        """Why the flight recorder is not recording: the reason it did not start, or the one it stopped for."""
+        return self.flight_off_reason if self.flight is None else self.flight.off_reason
 
     # -- fault containment -------------------------------------------------
 

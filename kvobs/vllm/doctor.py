@@ -280,9 +280,8 @@ def _observe(config: Mapping[str, Any], inner_cls: type[OffloadingSpec], inner_e
         knows = compat.cpu_tier_of(getattr(manager, "inner", manager)) is not None
         observed = Observed(True, "ok", "", name, knows)
         observer = getattr(manager, "observer", None)
-        flight = None if observer is None else observer.flight
-        if observer is not None and observer.options.flight_window > 0 and (flight is None or flight.off_reason):
-            observed.flight_off = observer.flight_off_reason or "it is off"
+        if observer is not None and observer.options.flight_window > 0 and not observer.recording():
+            observed.flight_off = observer.flight_why_not() or "it is off"
     finally:
         with contextlib.suppress(Exception):
             manager.shutdown()

@@ -142,7 +142,7 @@ def write_bundle(
     last = None if failing_call is None else (CALL, failing_call[0], failing_call[1], None, failing_call[2])
     empty: tuple[bytes | None, float, list[bytes], list[Any]] = (None, 0.0, [], [])
     state, since, keys, calls = empty if window is None else window.window(observer.applied(lambda: window.view(last)))
-    reason = observer.flight_off_reason if window is None else window.off_reason
+    reason = observer.flight_why_not()
     blob = None
     if state is not None:
         blob = encode_window(state, keys, calls)
@@ -217,8 +217,7 @@ def bundle_on_failure(
                "vllm_message": vllm_message, "message": message, "cause": cause, "recomputed": recomputed}
     path, size = _bundle_in_dir(manager, observer, failure, ("prepare_load", (list(keys), req_context), FAILED))
     if not recomputed:
-        window = observer.flight
-        why_not = observer.flight_off_reason if window is None else window.off_reason
+        why_not = observer.flight_why_not()
         if why_not is None:
             logger.error("kvobs: replay bundle for this failure: %s (%d bytes); reproduce it with: kvobs replay %s",
                          path, size, path)

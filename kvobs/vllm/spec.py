@@ -121,9 +121,9 @@ def observing_line(inner: OffloadingManager, observer: Any) -> str:
     if options.flight_window <= 0:
         flight = "off"
     elif observer.unavailable()["flight_recorder"]:
-        flight = f"asked for (flight_calls={options.flight_calls}) but OFF: {observer.flight_off_reason}"
-    elif observer.flight is None or observer.flight.off_reason is not None:
-        flight = f"off (by default where the state cannot be snapshotted: {observer.flight_off_reason})"
+        flight = f"asked for (flight_calls={options.flight_calls}) but OFF: {observer.flight_why_not()}"
+    elif not observer.recording():
+        flight = f"off (by default where the state cannot be snapshotted: {observer.flight_why_not()})"
     else:
         flight = f"on (flight_calls={options.flight_window}, flight_bytes={options.flight_bytes})"
     onoff = {True: "on", False: "off"}
