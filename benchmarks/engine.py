@@ -40,9 +40,9 @@ from demo.engine import VllmServer, offload_config, shared_prefix_workload
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("bare", "kvobs", "kvobs+journal")
 FLIGHT_SIDE = "kvobs+journal+flight"
-"""With ``--flight``: the journal and the flight recorder (``flight_calls`` ``FLIGHT_CALLS``), as a user who
-wants replay bundles runs it (README, "Replay a failure")."""
-FLIGHT_CALLS = 50_000
+"""With ``--flight``: the journal and the flight recorder, kvobs's defaults with ``dir`` set (the recorder is on
+by default: kvobs.options.DEFAULT_FLIGHT_CALLS). The other kvobs sides set ``flight_calls: 0``, so the
+recorder's share is this side's minus ``kvobs+journal``'s."""
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 BENCH_CPU_TIER_BYTES = 3_000_000  # the CPU tier of docs/performance.md section 4's figures (more evictions)
 
@@ -68,11 +68,11 @@ def engine_core(server: VllmServer) -> psutil.Process:
 
 def start(side: str, python: Path, model: Path, base: Path, *, attribute: bool = False) -> tuple[VllmServer, Path]:
     stats = base / f"{side}.stats"
-    kvobs: dict[str, Any] | None = None if side == "bare" else {}
+    kvobs: dict[str, Any] | None = None if side == "bare" else {"flight_calls": 0}
     if side == "kvobs+journal":
-        kvobs = {"dir": str(base / "kvobs")}
+        kvobs = {"dir": str(base / "kvobs"), "flight_calls": 0}
     elif side == FLIGHT_SIDE:
-        kvobs = {"dir": str(base / "kvobs-flight"), "flight_calls": FLIGHT_CALLS}
+        kvobs = {"dir": str(base / "kvobs-flight")}
     cores = sorted(os.sched_getaffinity(0))
     taskset = shutil.which("taskset")
     launcher = ("taskset", "-c", ",".join(map(str, cores[1:]))) if len(cores) > 1 and taskset else ()

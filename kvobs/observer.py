@@ -575,6 +575,17 @@ class Observer:
         """Whether the flight recorder (kvobs.flight.FlightWindow) is recording now."""
         return self.flight is not None and self.flight.off_reason is None
 
+    def writes_bundles(self) -> bool:
+        """Whether a failed load or an exception leaving the manager gets a replay bundle
+        (kvobs/vllm/flight_recorder.py): ``dir`` set, not a forked child (it writes nothing into the parent's
+        ``dir``: kvobs/forks.py), and a flight recorder that started (its bundle says why, if it stopped since)
+        or one asked for by number (its bundle's header says why it could not start). A default recorder that
+        could not start (a tiering manager) writes none: a bundle without a window would add nothing to the
+        failure report."""
+        options = self.options
+        return (options.dir is not None and self.forked_from is None
+                and (self.flight is not None or options.flight_asked))
+
     def flight_why_not(self) -> str | None:
         """Why the flight recorder is not recording: the reason it did not start, or the one it stopped for."""
         return self.flight_off_reason if self.flight is None else self.flight.off_reason

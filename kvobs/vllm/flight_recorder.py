@@ -198,14 +198,12 @@ def bundle_on_failure(
     manager: OffloadingManager, observer: Observer, keys: Collection[bytes], req_context: Any,
     vllm_message: str, message: str, cause: str, *, recomputed: bool = False,
 ) -> str | None:
-    """At a failed load, with ``dir`` set and the recorder asked for (``flight_calls``): the bundle beside the
+    """At a failed load, where the observer writes bundles (:meth:`Observer.writes_bundles`): the bundle beside the
     failure reports (``<dir>/replay/``), the oldest beyond ``MAX_BUNDLES`` deleted, and one log line saying
     where (the engine is about to die). A load survive mode recomputed gets a bundle at most every
     ``SURVIVED_BUNDLE_EVERY_S`` and no log line (the engine goes on; kvobs's own line said it). Its path, or
     None."""
-    if observer.options.dir is None or observer.options.flight_window <= 0:  # no recorder: no bundle
-        return None
-    if observer.forked_from is not None:  # a forked child writes nothing into the parent's dir (kvobs/forks.py)
+    if not observer.writes_bundles():
         return None
     now = time.monotonic()
     if recomputed:
@@ -228,15 +226,13 @@ def bundle_on_failure(
 
 def bundle_on_exception(manager: OffloadingManager, observer: Observer, method: str, args: tuple[Any, ...],
                         exc: BaseException, failure: OffloadException) -> str | None:
-    """At an exception leaving vLLM's manager through a tap (kvobs/vllm/manager.py), with ``dir`` set and the
-    recorder running: a bundle whose window ends with that call, as :func:`bundle_on_failure` writes one for a
-    failed load (``kvobs replay`` makes the calls again and expects the same exception there), at most one every
-    ``SURVIVED_BUNDLE_EVERY_S`` with any other bundle (survive mode answers some, and they can repeat). Its
-    path, or None (no recorder, a forked child, a method the recorder does not record, one written too
-    recently)."""
-    if observer.options.dir is None or observer.options.flight_window <= 0 or observer.forked_from is not None:
-        return None
-    if method not in compat.CALL_ARGS:
+    """At an exception leaving vLLM's manager through a tap (kvobs/vllm/manager.py), where the observer writes
+    bundles (:meth:`Observer.writes_bundles`): a bundle whose window ends with that call, as
+    :func:`bundle_on_failure` writes one for a failed load (``kvobs replay`` makes the calls again and expects the
+    same exception there), at most one every ``SURVIVED_BUNDLE_EVERY_S`` with any other bundle (survive mode
+    answers some, and they can repeat). Its path, or None (no bundles written, a method the recorder does not
+    record, one written too recently)."""
+    if not observer.writes_bundles() or method not in compat.CALL_ARGS:
         return None
     now = time.monotonic()
     last = observer.last_bundle_at

@@ -322,7 +322,7 @@ class ObservedOffloadingManager(OffloadingManager):
             return
         boundary = self._kvobs_boundary
         failure = None if observer.guarded else boundary.left(method, exc, args)
-        if observer.options.flight_window > 0 and observer.options.dir is not None:
+        if observer.writes_bundles():
             self._kvobs_bundled.append(exc)  # an outer tap of the same call (tiering) writes none again
             try:
                 from kvobs.vllm.flight_recorder import bundle_on_exception

@@ -7,6 +7,7 @@ never imports kvobs)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvobs.cli import main as kvobs_main
 from kvobs.vllm import ObservedOffloadingManager
 from kvobs.vllm.bundle_replay import ReplayError, load, minimize, replay
 from kvobs.vllm.flight_recorder import write_bundle
+from kvobs.wire.format import FAILURES_DIR
 from tests.support.causes import END, ctx, failed_load, observed, store
 from tests.support.vllm_env import cpu_extra, create_manager, key, tiering_extra
 
@@ -147,6 +149,20 @@ def test_a_tiering_manager_is_not_recorded_and_its_bundle_says_why(managers: lis
     path = next((tmp_path / BUNDLE_DIR).glob(f"*{BUNDLE_SUFFIX}"))
     with pytest.raises(ReplayError, match="TieringOffloadingManager's state cannot be snapshotted"):
         load(str(path))
+
+
+def test_a_tiering_manager_on_default_options_writes_no_bundle(managers: list, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The recorder is on by default only where it can run: on a tiering manager it is off, and a failed load
+    gets its report and no bundle (one without a window would add nothing to it)."""
+    m = observed(managers, tiering_extra(4), dir=str(tmp_path))
+    assert m.observer.flight is None and "cannot be snapshotted" in (m.observer.flight_off_reason or "")
+    a = ctx(m, "req-a")
+    with caplog.at_level(logging.INFO, logger="kvobs"):
+        failed_load(m, [key(1)], a)
+    assert any((tmp_path / FAILURES_DIR).iterdir()), "the failure report is still written"
+    assert not (tmp_path / BUNDLE_DIR).exists()
+    assert not [r for r in caplog.records if "replay bundle" in r.getMessage()], caplog.text
 
 
 @pytest.mark.parametrize("defect", ["evicted_after_lookup", "store_in_flight"])
