@@ -29,6 +29,8 @@ PATHS: tuple[str, ...] = (
 )
 """Which manager entry point was running when a removal happened."""
 PATH_CODE: dict[str, int] = {name: code for code, name in enumerate(PATHS)}
+POLL_THREAD_NAME = "vllm_offload_tier_poll"
+"""vLLM's tier-poll thread: removals there have no tapped call above them (path ``poll_thread``)."""
 REASON_CODE: dict[str, int] = {name: code for code, name in enumerate(REASONS)}
 
 CAUSES: tuple[str, ...] = (

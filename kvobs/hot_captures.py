@@ -10,7 +10,8 @@ the recent-removals memory, serials, near misses, the removal queue, the tier co
 :meth:`Recorder.apply`, which takes captures in the order they were made, so it computes exactly what
 recording inline computed. The observer applies (``Observer.drain``) on kvobs's applier thread
 (kvobs/applier.py) every ``APPLY_EVERY_S`` or when ``CAPTURE_WAKE`` captures wait, on the journal writer's
-wake, whenever anything reads the evidence, and first of all on a failed load, before the diagnosis. A buffer
+wake, whenever anything reads the evidence, and on a failed load once, on the failing thread, before the
+diagnosis reads (the failed load is itself captured: its near misses are redeemed in order). A buffer
 at ``CAPTURE_LIMIT`` is applied by the thread that captures, then and there (counted:
 ``kvobs_capture_buffer_full_total``): nothing is dropped, so nothing is diagnosed from less than all of it
 (kvobs.codes, "the recorder's defaults"). Removal batches, once applied, are queued and folded by the observer
@@ -37,6 +38,7 @@ _EVICTED: Final = 4  # _EVICTED, [(key, chunk)] as the policy returned it, time,
 _CALL: Final = 5  # _CALL, method name, args, kwargs or None, outcome: a call only the flight recorder keeps
 _SNAPSHOT: Final = 6  # _SNAPSHOT, state: the manager's state after every call captured before it
 _FLAT: Final = 7  # _FLAT alone: a call only the flight recorder keeps, its parts in Recorder.flight_items
+_FAILED_LOAD: Final = 8  # _FAILED_LOAD, keys, request id: a load vLLM's assertion failed (its promises redeemed)
 _CALL_BYTES: Final = 24  # a call's columns (method reference, request, outcome, key end) and list growth
 _REF_BYTES: Final = 6  # a key reference (an array item and its growth)
 _KEY_BYTES: Final = 150  # a key or request id first seen in a segment: the object kept, its list and dict entries

@@ -23,11 +23,24 @@ from kvobs.codes import (
     CAPTURE_WAKE,
     DRAIN_BATCHES,
     DRAIN_KEYS,
+    PATH_CODE,
+    POLL_THREAD_NAME,
     REASON_BITS,
     REASONS,
     RECENT_KEYS,
 )
-from kvobs.hot_captures import _CALL, _EVICTED, _FINISH, _FLAT, _LOAD, _LOOKUP, _REMOVAL, _SNAPSHOT, FlightSegment
+from kvobs.hot_captures import (
+    _CALL,
+    _EVICTED,
+    _FAILED_LOAD,
+    _FINISH,
+    _FLAT,
+    _LOAD,
+    _LOOKUP,
+    _REMOVAL,
+    _SNAPSHOT,
+    FlightSegment,
+)
 from kvobs.hot_promises import Promises, RecentRemovals, RemovalRun, Verdict
 from kvobs.hot_taps import (
     CallTap,
@@ -42,6 +55,7 @@ from kvobs.hot_taps import (
 )
 
 get_ident: Final = threading.get_ident
+current_thread: Final = threading.current_thread
 # Final, all of these: compiled, a constant is inlined and an object a static read, not a lookup in the
 # module's dict on every use.
 _UNKNOWN: Final = float("nan")
@@ -50,16 +64,20 @@ _REASON_BITS: Final = REASON_BITS
 _CAPACITY: Final = CAPACITY
 _FLAT_CAPTURE: Final = (_FLAT,)
 _NEVER: Final = 1 << 62
+_POLL_THREAD_PATH: Final = PATH_CODE["poll_thread"]
+_UNOBSERVED_PATH: Final = PATH_CODE["unobserved"]
 
 
 class Recorder:
     """Taps, the capture buffer, the promise table and the removal queue of one observed manager.
 
-    ``on_full()`` is called (outside any lock) when the removal queue asks to be drained;
-    ``on_apply()`` applies every capture now (the observer's drain; by default :meth:`apply_all`);
-    ``on_backlog()`` asks for an apply soon (kvobs's applier thread), once each time
-    ``capture_wake`` captures wait; ``on_near(req_id, redeemed)`` hears a load's broken promises;
-    ``off_thread_path()`` names the path of a removal on a thread with no tapped call.
+    Evidence flows one way, from here to the observer (kvobs/observer.py): :meth:`apply` hands on what it
+    applied through :attr:`near` and the removal queue (:meth:`take_run`), and stops where the observer must
+    fold before the next capture is applied (a load's broken promises, judged against the history as it was
+    at that load; a full removal queue). Nothing here calls into the observer but ``on_apply()`` (apply
+    every capture now, the observer's drain: at the buffer's limit; by default :meth:`apply_all`),
+    ``on_backlog()`` (wake kvobs's applier thread, once each time ``capture_wake`` captures wait) and
+    ``on_error(stage, exc)`` (count a fault of kvobs's own).
     """
 
     def __init__(
@@ -68,9 +86,6 @@ class Recorder:
         max_verdicts: int,
         num_stamps: int,
         on_error: Callable[[str, BaseException], None],
-        on_full: Callable[[], None],
-        off_thread_path: Callable[[], int],
-        on_near: Callable[[str, list[tuple[bytes, Verdict, bool]]], object] | None = None,
         on_apply: Callable[[], None] | None = None,
         on_backlog: Callable[[], None] | None = None,
         recent_keys: int = RECENT_KEYS,
@@ -82,13 +97,15 @@ class Recorder:
         self.promises = Promises(max_verdicts)
         self.recent = RecentRemovals(recent_keys)
         self.on_error = on_error
-        self._on_full = on_full
-        self._off_thread_path = off_thread_path
-        self._on_near = on_near
         self._on_apply = on_apply
         self._on_backlog = on_backlog
         self._drain_keys = drain_keys
         self._drain_batches = drain_batches
+        self.near: list[tuple[str, list[tuple[bytes, Verdict, bool]]]] = []
+        """Broken promises of the loads applied and not yet settled by the observer, ``(req_id, redeemed)``
+        (``Promises.redeemed``): :meth:`apply` stops after a load that adds one, so the observer judges it
+        against the history as it was at that load (``Observer.drain``)."""
+        self._fold_first = False  # apply stops after this capture: the observer folds before the next
         # Flat: each capture is its kind and then its fields (the ``_LOOKUP``... table above), added by one
         # extend, which no other thread's append can split; popleft() by the applier never loses one.
         self.captures: deque[Any] = deque()
@@ -304,9 +321,12 @@ class Recorder:
     def apply(self, budget: int) -> int:
         """Apply up to ``budget`` captures, oldest first; how many. One thread at a time (the observer
         holds its drain lock): each capture is applied to the state every earlier one left, as
-        recording inline did. A capture that faults is counted under its stage and skipped."""
+        recording inline did. A capture that faults is counted under its stage and skipped. Stops early
+        after a capture the observer must fold before the next is applied (:attr:`near`, a full removal
+        queue); the observer folds, then applies on."""
         pop = self.captures.popleft
         done = 0
+        self._fold_first = False
         while done < budget:
             try:
                 kind: int = pop()
@@ -332,6 +352,16 @@ class Recorder:
                 segment = self.flight_segment
                 if segment is not None:
                     self._flight_add(segment, _LOAD, keys, req_id, True, None)
+                if self._fold_first:
+                    break
+            elif kind == _FAILED_LOAD:  # its near misses, as a load's (the bundle keeps the call itself)
+                keys, req_id = pop(), pop()
+                try:
+                    self.redeem(keys, req_id)
+                except Exception as exc:
+                    self.on_error("record.load", exc)
+                if self._fold_first:
+                    break
             elif kind == _FINISH:
                 req_id = pop()
                 try:
@@ -348,6 +378,8 @@ class Recorder:
                                         [chunk.chunk_id for _, chunk in pairs])
                 except Exception as exc:
                     self.on_error("record.removal", exc)
+                if self._fold_first:
+                    break
             elif kind == _REMOVAL:
                 keys, reason, residency, now = pop(), pop(), pop(), pop()
                 path, req_id, unlisted, chunk_ids = pop(), pop(), pop(), pop()
@@ -355,6 +387,8 @@ class Recorder:
                     self._apply_removal(keys, reason, residency, now, path, req_id, unlisted, chunk_ids)
                 except Exception as exc:
                     self.on_error("record.removal", exc)
+                if self._fold_first:
+                    break
             elif kind == _FLAT:  # a call only the flight recorder keeps, its parts in order
                 self._apply_flat()
             elif kind == _CALL:
@@ -422,10 +456,12 @@ class Recorder:
         self.mark_loaded(len(keys), result)
 
     def redeem(self, keys: Any, req_id: str) -> None:
-        """A load's near misses, the one place they are redeemed, whether the load succeeded or not."""
+        """A load's near misses, the one place they are redeemed, whether the load succeeded or not: into
+        :attr:`near`, for the observer to settle."""
         broken = self.promises.redeemed(req_id, keys, self.recent, self._serial)
-        if broken and self._on_near is not None:
-            self._on_near(req_id, broken)
+        if broken:
+            self.near.append((req_id, broken))
+            self._fold_first = True
 
     def take_run(self) -> RemovalRun:
         """Everything queued, as one run (empty when nothing is); the queue starts afresh."""
@@ -481,7 +517,8 @@ class Recorder:
         if frame is not None and frame[2] == get_ident():
             req = frame[1]
             return frame[0], None if req is None else req.req_id
-        return self._off_thread_path(), None
+        # vLLM's tier-poll thread, or a thread kvobs does not know (kvobs.codes.POLL_THREAD_NAME)
+        return _POLL_THREAD_PATH if current_thread().name == POLL_THREAD_NAME else _UNOBSERVED_PATH, None
 
     def _apply_removal(
         self,
@@ -535,14 +572,10 @@ class Recorder:
                             read[cid >> 3] ^= bit
                             unread -= 1
                 self._unread[reason] += unread
-            full = len(queued) >= self._drain_keys or len(reqs) >= self._drain_batches
+            if len(queued) >= self._drain_keys or len(reqs) >= self._drain_batches:
+                self._fold_first = True  # bounded: the observer folds the queue before the next capture
         finally:
             lock.release()
-        if full:
-            try:
-                self._on_full()
-            except Exception as exc:
-                self.on_error("record.removal", exc)
 
     # -- residency (store -> removal), only while batches keep their keys ---------------
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from kvobs.codes import DEFERRED_RELEASE, RESET, STORE_FAILED
-from kvobs.hot_captures import _CALL, _FINISH, _LOAD, _LOOKUP
+from kvobs.hot_captures import _CALL, _FAILED_LOAD, _FINISH, _LOAD, _LOOKUP
 
 if TYPE_CHECKING:  # typing only: kvobs.hot_path imports this module (compiled, the type is native all the same)
     from kvobs.hot_path import Recorder
@@ -305,9 +305,10 @@ class WriteTap:
 
 
 class LoadTap:
-    """``prepare_load(keys, req_context)``: on success captured (applied: the recorder's ``on_near``
-    hears its near misses and the promises left to the history, and its chunks count as loaded);
-    on vLLM's assertion, every capture is applied first, then its near misses, then ``on_failure``.
+    """``prepare_load(keys, req_context)``: on success captured (applied: its near misses and the promises
+    left to the history go to ``Recorder.near``, and its chunks count as loaded); on vLLM's assertion, the
+    failed load is captured (applied: its near misses, as a load's) and then ``on_failure`` runs, whose
+    diagnosis applies every capture once, on this thread, before it reads (``Observer.load_failed``).
 
     ``on_failure(exc, keys, req_context)`` runs before the assertion propagates (it appends
     the explanation to the same exception object); the assertion then leaves unchanged otherwise.
@@ -327,9 +328,8 @@ class LoadTap:
             result = self.inner(keys, req_context)
         except AssertionError as exc:
             rec = self.rec
-            rec.apply_now("diagnosis")  # the diagnosis reads the evidence of every call before this one
-            try:
-                rec.redeem(keys, req_context.req_id)  # before the diagnosis, which counts these near misses too
+            try:  # captured in order: the diagnosis's one drain applies it with every call before it
+                rec.capture((_FAILED_LOAD, keys, req_context.req_id))
             except Exception as fault:
                 rec.on_error("record.load", fault)
             instead: object = None

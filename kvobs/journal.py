@@ -452,8 +452,8 @@ class JournalSink(Sink):
             self.files.reports.write(name, report)
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.fault("report", fault)
-        try:
-            self.flush(timeout=remaining, durable=True)
+        try:  # the observer pushed the counters with the failure in them (Observer.publish_failure)
+            self.flush(timeout=remaining, durable=True, pump=False)
         except Exception as fault:
             self.fault("journal", fault)
 
@@ -487,17 +487,19 @@ class JournalSink(Sink):
             history_window_s=0.0 if snapshot is None else snapshot.history_window_s, seq=next(self._totals_seq),
         )
 
-    def flush(self, timeout: float = -1, durable: bool = False) -> bool:
+    def flush(self, timeout: float = -1, durable: bool = False, pump: bool = True) -> bool:
         """Write out what is queued plus current totals; False if the lock was not had in time.
 
         The observer's pump runs first (it folds the removal queue, skipped if another thread
         is folding it, and pushes the snapshot the totals are made of), before the write lock
-        is taken: a writer holding the write lock never waits for the drain lock. In a forked child
-        nothing is written (:meth:`_forked`).
+        is taken: a writer holding the write lock never waits for the drain lock. ``pump`` False: the
+        observer pushed them just now (a failure's publication). In a forked child nothing is written
+        (:meth:`_forked`).
         """
         if self.forked_from is not None:
             return True
-        self.pump()
+        if pump:
+            self.pump()
         totals = self._totals()
         if not self._write_lock.acquire(timeout=timeout):
             return False

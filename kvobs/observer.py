@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 from kvobs import forks
 from kvobs.applier import APPLIER
 from kvobs.boundary import OffloadException
-from kvobs.codes import APPLY_BATCH, PATH_CODE, REASON_CODE, REASONS, RECENT_KEYS, TIERS
+from kvobs.codes import APPLY_BATCH, REASON_CODE, REASONS, RECENT_KEYS, TIERS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalRun, Verdict
@@ -40,8 +40,6 @@ to die and the waits must not add up."""
 SHUTDOWN_WAIT_S = 2.0
 """How long a sink's ``close`` waits for anything of its own (a writer thread, an exporter) at an
 engine's shutdown, so that a stuck one never hangs it."""
-POLL_THREAD_NAME = "vllm_offload_tier_poll"
-"""vLLM's tier-poll thread: removals there have no tapped call above them (path ``poll_thread``)."""
 
 
 class Unloadable(NamedTuple):
@@ -184,9 +182,6 @@ class Observer:
             max_verdicts=self.options.max_verdicts,
             num_stamps=num_stamps,
             on_error=self.internal_error,
-            on_full=self._drain_from_tap,
-            off_thread_path=self._off_thread_path,
-            on_near=self.near_missed,
             on_apply=self.drain,
             on_backlog=APPLIER.wake,
             # Below the history's reach, so the history holds every removal the hot path remembers.
@@ -263,8 +258,14 @@ class Observer:
         """Fold what is queued (skipped when another thread is folding) and push every sink a
         :class:`Snapshot`: the one way evidence reaches sinks besides removals and failures."""
         self.drain(block=False)
+        self._push_snapshot()
+
+    def _push_snapshot(self) -> None:
+        """Every sink a :class:`Snapshot` of the counters and the history's reach as they are (the caller
+        drained, or chose not to)."""
         stats = self.history_stats
-        snapshot = Snapshot(self.totals(), stats.keys, stats.window(time.monotonic()))
+        snapshot = Snapshot({key: self._counter_now(key) for key in self.counts}, stats.keys,
+                            stats.window(time.monotonic()))
         self._each_sink(lambda s: s.on_snapshot(snapshot))
 
     # -- the evidence (drained first) ---------------------------------------
@@ -347,7 +348,10 @@ class Observer:
     def drain(self, block: bool = True) -> None:
         """Apply every capture waiting now and fold every queued removal batch, in order (``block=False``:
         skip if another thread is). Applies in rounds of ``APPLY_BATCH`` captures, each under the drain
-        lock, folding after each, so a thread waiting for this one waits for at most a round."""
+        lock, folding after each, so a thread waiting for this one waits for at most a round. A round ends
+        early where the recorder stops for a fold (a load's broken promises, a full removal queue): the fold
+        and the near misses are settled there, against the history as it was at that capture, and the drain
+        goes on. The one way evidence moves: the recorder never calls back into this."""
         lock = self._drain_lock
         rec = self.recorder
         waiting = rec.captured  # what is there now; later captures are the next drain's
@@ -362,6 +366,7 @@ class Observer:
                     applied = rec.apply(min(waiting, APPLY_BATCH)) if waiting > 0 else 0
                     waiting -= applied
                     self._fold_queued()
+                    self._settle_near()
                 finally:
                     self._draining = False
             finally:
@@ -375,11 +380,16 @@ class Observer:
         while rec.pending:
             self._fold(rec.take_run())
 
-    def _drain_from_tap(self) -> None:
-        self.drain(block=False)
-
-    def _off_thread_path(self) -> int:
-        return PATH_CODE["poll_thread" if threading.current_thread().name == POLL_THREAD_NAME else "unobserved"]
+    def _settle_near(self) -> None:
+        """Count and publish the near misses the recorder applied (with the drain lock held, every removal
+        applied before them folded)."""
+        near = self.recorder.near
+        while near:
+            req_id, redeemed = near.pop(0)
+            try:
+                self.near_missed(req_id, redeemed)
+            except Exception as exc:  # counted, and the next load's are still settled
+                self.internal_error("record.load", exc)
 
     def _fold(self, run: RemovalRun) -> None:
         """History, sinks and gauges for a run of queued batches (called with the drain lock held)."""
@@ -402,8 +412,9 @@ class Observer:
 
     def breaking_removals(self, keys: Sequence[bytes], verdicts: Sequence[Verdict]) -> list[Removal | None]:
         """For each promise, the first removal of its key after it (the one that broke it), where the
-        history holds it; a reset that could not list its keys removed every key."""
-        history = self.history
+        history holds it; a reset that could not list its keys removed every key. Reads the history as
+        the caller's drain left it (a near miss's settling, a failed load's diagnosis)."""
+        history = self._history
         found = history.first_removals(keys, [v.serial for v in verdicts])
         reset = self.recorder.recent.unlisted_reset
         if reset < 0:
@@ -412,13 +423,12 @@ class Observer:
                 for r, v in zip(found, verdicts, strict=True)]
 
     def near_missed(self, req_id: str, redeemed: Sequence[tuple[bytes, Verdict, bool]]) -> list[NearMiss]:
-        """Count and publish the near misses of a load (the load tap's ``on_near``, given
-        ``Promises.redeemed``); them, with their breaches.
+        """Count and publish the near misses of a load (``Recorder.near``: ``Promises.redeemed``'s answer);
+        them, with their breaches. Called by the drain with every removal before that load folded and none
+        after it (the recorder stops there).
 
         A promise the hot path's short memory could not judge is decided here from the eviction
         history, by the same rule (the first removal after the promise) the cause is named by."""
-        with self._drain_lock:  # applied in a drain or at a failed load: the history up to this load
-            self._fold_queued()
         broken = [(key, verdict) for key, verdict, decided in redeemed if decided]
         undecided = [(key, verdict) for key, verdict, decided in redeemed if not decided]
         if undecided:
@@ -444,7 +454,7 @@ class Observer:
         it no longer does: then the cause is ``unknown`` too), each counted once."""
         keys = [key for key, _ in undecided]
         first = self.breaking_removals(keys, [verdict for _, verdict in undecided])
-        last = self.history.last_removals(keys)
+        last = self._history.last_removals(keys)
         reset = self.recorder.recent.unlisted_reset
         now = self.recorder.next_serial
         out = []
@@ -459,8 +469,8 @@ class Observer:
     # -- diagnosis -------------------------------------------------------
 
     def facts(self, req_id: str, unloadable: Sequence[Unloadable]) -> list[KeyFacts]:
-        """Each key's promise, the removal that broke it, and its last removal (the history drained)."""
-        history = self.history
+        """Each key's promise, the removal that broke it, and its last removal (the caller drained)."""
+        history = self._history
         promises = self.recorder.promises
         keys = [u.key for u in unloadable]
         last = history.last_removals(keys)
@@ -525,17 +535,22 @@ class Observer:
             logger.error("kv offload load failed: %s", diagnosis.message)
         return diagnosis
 
-    def applied(self, read: Callable[[], T]) -> T:
+    def applied(self, read: Callable[[], T], *, drained: bool = False) -> T:
         """``read()`` with every capture applied and none applied while it runs (the flight recorder's window
-        is read so: kvobs/vllm/flight_recorder.py)."""
+        is read so: kvobs/vllm/flight_recorder.py). ``drained``: this thread applied every capture just now
+        (a failed load's diagnosis), and only vLLM's thread captures, so nothing is drained again."""
         with self._drain_lock:
-            self.drain()
+            if not drained:
+                self.drain()
             return read()
 
     def publish_failure(self, diagnosis: Diagnosis, exc: BaseException) -> FailureEvent:
         """Make the failure's event and hand it to every sink (reports, spans); they finish before
         this returns. First every sink's :meth:`Sink.start_failure` (the trace's ids: the first
-        sink to give them), then every sink's :meth:`Sink.on_failure` with the one event; it."""
+        sink to give them), then every sink's :meth:`Sink.on_failure` with the one event; it. The sinks
+        first get the counters as :meth:`load_failed` left them (its drain the failure's one: a sink
+        never pulls)."""
+        self._push_snapshot()
         trace, deadline = self._started(lambda sink, d: sink.start_failure(diagnosis, exc, d))
         event = FailureEvent(diagnosis, exc, trace, deadline)
         self._each_sink(lambda s: s.on_failure(event))
@@ -543,7 +558,9 @@ class Observer:
 
     def publish_exception(self, failure: OffloadException, exc: BaseException) -> ExceptionEvent:
         """As :meth:`publish_failure`, for an exception at the connector's boundary: every sink's
-        :meth:`Sink.start_exception`, then every sink's :meth:`Sink.on_exception`, one deadline."""
+        :meth:`Sink.start_exception`, then every sink's :meth:`Sink.on_exception`, one deadline; the sinks
+        first get the counters with every capture applied (skipped if another thread is applying)."""
+        self.pump()
         trace, deadline = self._started(lambda sink, d: sink.start_exception(failure, exc, d))
         event = ExceptionEvent(failure, exc, trace, deadline)
         self._each_sink(lambda s: s.on_exception(event))

@@ -133,15 +133,18 @@ def write_bundle(
     failure: dict[str, Any] | None = None,
     failing_call: tuple[str, tuple[Any, ...], str] | None = None,
     requested: str | None = None,
+    drained: bool = False,
 ) -> int:
     """Write ``manager``'s flight window to ``path`` (with the call that failed, when there is one: its method,
     arguments and the exception's type name); its size. The window is read with every capture applied
-    (``Observer.applied``). A window over ``flight_bytes`` is left out (the header says why)."""
+    (``Observer.applied``; ``drained``: a failed load's diagnosis applied them). A window over ``flight_bytes``
+    is left out (the header says why)."""
     window: FlightWindow | None = observer.flight
     header = _header(manager, observer, window)
     last = None if failing_call is None else (CALL, failing_call[0], failing_call[1], None, failing_call[2])
     empty: tuple[bytes | None, float, list[bytes], list[Any]] = (None, 0.0, [], [])
-    state, since, keys, calls = empty if window is None else window.window(observer.applied(lambda: window.view(last)))
+    state, since, keys, calls = empty if window is None else window.window(
+        observer.applied(lambda: window.view(last), drained=drained))
     reason = observer.flight_why_not()
     blob = None
     if state is not None:
@@ -166,6 +169,7 @@ def write_bundle(
 def _bundle_in_dir(
     manager: OffloadingManager, observer: Observer, failure: dict[str, Any] | None = None,
     failing_call: tuple[str, tuple[Any, ...], str] | None = None, requested: str | None = None,
+    drained: bool = False,
 ) -> tuple[Path, int]:
     """A bundle in ``<dir>/replay/`` (the oldest beyond ``MAX_BUNDLES`` deleted), or in ``replay/requested/``
     when the sidecar asked for it (this engine's oldest beyond ``MAX_BUNDLES`` deleted): its path and size."""
@@ -178,7 +182,7 @@ def _bundle_in_dir(
     if requested is not None:
         folder = folder / REQUESTED_DIR
     path = new_bundle(folder, engine, os.getpid(), sequence)
-    size = write_bundle(path, manager, observer, failure, failing_call, requested)
+    size = write_bundle(path, manager, observer, failure, failing_call, requested, drained)
     keep_bundles(folder, engine if requested is not None else None)
     return path, size
 
@@ -213,7 +217,8 @@ def bundle_on_failure(
     observer.last_bundle_at = now
     failure = {"method": "prepare_load", "req_id": req_context.req_id, "exception_type": FAILED,
                "vllm_message": vllm_message, "message": message, "cause": cause, "recomputed": recomputed}
-    path, size = _bundle_in_dir(manager, observer, failure, ("prepare_load", (list(keys), req_context), FAILED))
+    path, size = _bundle_in_dir(manager, observer, failure, ("prepare_load", (list(keys), req_context), FAILED),
+                                drained=True)  # the diagnosis (Observer.load_failed) applied every capture
     if not recomputed:
         why_not = observer.flight_why_not()
         if why_not is None:

@@ -42,25 +42,20 @@ class Harness:
 
     def __init__(self, drain_keys: int = 10**9, num_stamps: int = 16) -> None:
         self.errors: list[tuple[str, BaseException]] = []
-        self.full = 0
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.result: Any = None
         self.raise_: BaseException | None = None
-        self.near: list[Any] = []
         self.failures: list[Any] = []
         self.rec = Recorder(
             max_verdicts=100, num_stamps=num_stamps, on_error=lambda s, e: self.errors.append((s, e)),
-            on_full=self._full, off_thread_path=lambda: PATHS.index("unobserved"), drain_keys=drain_keys,
-            drain_batches=10**9, on_near=lambda req, broken: self.near.append((req, broken)),
+            drain_keys=drain_keys, drain_batches=10**9,
         )
+        self.near = self.rec.near  # what the observer settles (Observer.drain)
         self.lookup = self.rec.lookup_tap(self.inner, path=LOOKUP, hit=HIT, hit_pending=HIT_PENDING, marks_frame=True)
         self.store = self.rec.keys_tap(self.inner, path=STORE, name="prepare_store")
         self.finish = self.rec.request_tap(self.inner, path=PATHS.index("schedule_end"))
         self.load = self.rec.load_tap(self.inner, on_failure=lambda e, k, r: self.failures.append((e, k, r)))
         self.evict = EvictTap(self.rec, self.inner)
-
-    def _full(self) -> None:
-        self.full += 1
 
     def inner(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append((args, kwargs))
@@ -171,15 +166,14 @@ def test_residency_is_kept_only_while_a_sink_needs_it() -> None:
     assert run.residency[0] >= 0 and run.residency[1] != run.residency[1]  # NaN: unknown
 
 
-def test_the_queue_asks_to_be_drained_when_full() -> None:
+def test_the_apply_stops_for_a_fold_when_the_queue_is_full() -> None:
     h = Harness(drain_keys=4)
     h.result = [(k, Chunk(i)) for i, k in enumerate(KEYS[:2])]
     h.evict(2, set())
-    h.rec.apply_all()
-    assert h.full == 0
     h.evict(2, set())
-    h.rec.apply_all()
-    assert h.full == 1 and h.rec.pending == 2
+    h.evict(2, set())
+    assert h.rec.apply_all() == 2  # the second filled the queue: the observer folds before the third applies
+    assert h.rec.pending == 2 and h.rec.captured == 1
     run = h.rec.take_run()
     assert (run.first_serial, list(run.counts)) == (0, [2, 2]) and h.rec.pending == 0
     h.evict(2, set())
@@ -213,12 +207,11 @@ def test_an_interrupt_inside_kvobs_propagates_instead_of_being_counted() -> None
     def drain() -> None:
         raise KeyboardInterrupt
 
-    rec = Recorder(max_verdicts=10, num_stamps=0, on_error=lambda s, e: errors.append(s), on_full=drain,
-                   off_thread_path=lambda: 0, drain_keys=1, drain_batches=1)
+    rec = Recorder(max_verdicts=10, num_stamps=0, on_error=lambda s, e: errors.append(s), on_apply=drain,
+                   capture_wake=1, capture_limit=1)
     evict = EvictTap(rec, lambda n, protected: [(KEYS[0], Chunk(0))])
-    evict(1, set())
     with pytest.raises(KeyboardInterrupt):
-        rec.apply_all()
+        evict(1, set())  # the buffer at its limit: applied by the capturing thread, through the observer's drain
     assert errors == []
 
 
