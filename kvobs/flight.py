@@ -113,6 +113,8 @@ class FlightWindow:
             tail = FlightSegment(b"", 0.0, self.roles, 1 << 62, self.encode)
             tail.add(last)
             segments.append(tail)
+        for segment in segments:
+            segment.settle()  # every call held now in the columns the decoding reads
         return [(segment, len(segment), len(segment.keys)) for segment in segments]
 
     def window(self, view: list[tuple[Any, int, int]]) -> tuple[bytes | None, float, list[bytes], list[Encoded]]:

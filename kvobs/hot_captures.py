@@ -42,6 +42,7 @@ _FAILED_LOAD: Final = 8  # _FAILED_LOAD, keys, request id: a load vLLM's asserti
 _CALL_BYTES: Final = 24  # a call's columns (method reference, request, outcome, key end) and list growth
 _REF_BYTES: Final = 6  # a key reference (an array item and its growth)
 _KEY_BYTES: Final = 150  # a key or request id first seen in a segment: the object kept, its list and dict entries
+_SETTLE_CALLS: Final = 1024  # calls a segment's integer columns take in lists before they move into its arrays
 # The capture kinds the flight recorder reads (kvobs/flight.py), under public names.
 LOOKUP = _LOOKUP
 LOAD = _LOAD
@@ -58,7 +59,10 @@ class FlightSegment:
     ``key_ends[i - 1]`` to ``key_ends[i]``, and any other argument in the ``extra_`` columns (:meth:`extras_of`:
     ``(position, value)`` pairs, a value other than None, a bool, an int or a str written as data by
     ``encode``; keywords at position -1, the same). No Python object per call: filled by kvobs's applier, the
-    garbage collector never walks it, and it keeps no vLLM object alive but the keys. ``roles`` is
+    garbage collector never walks it, and it keeps no vLLM object alive but the keys. The integer columns take
+    each call in a short list first (a list's append is a C call from compiled code, an array's a method call:
+    about a third of a call's cost) and move into their arrays every ``_SETTLE_CALLS`` calls and at
+    :meth:`settle`, which a reader calls first (kvobs.flight.FlightWindow.view, under the drain lock). ``roles`` is
     kvobs.vllm.compat.CALL_ARGS, ``encode`` kvobs.vllm.compat.encode_value (no pickle: SECURITY.md).
     """
 
@@ -88,6 +92,14 @@ class FlightSegment:
         self.extra_calls = array("I")
         self.extra_positions = array("b")
         self.extra_values: list[Any] = []
+        # The columns' newest entries, not yet settled (at most _SETTLE_CALLS calls' worth).
+        self._reqs_tail: list[int] = []
+        self._outcomes_tail: list[int] = []
+        self._key_ends_tail: list[int] = []
+        self._key_refs_tail: list[int] = []
+        self._extra_calls_tail: list[int] = []
+        self._extra_positions_tail: list[int] = []
+        self._refs = 0  # key references, settled or not
         self.nbytes = len(state)
         """Estimated bytes: the snapshot, ``_CALL_BYTES`` a call, ``_REF_BYTES`` a key reference,
         ``_KEY_BYTES`` a key or request first seen."""
@@ -137,8 +149,7 @@ class FlightSegment:
                 self._extra(-1, dict(third))
         else:
             return False
-        self.key_ends.append(len(self.key_refs))
-        return self.nbytes > self.budget
+        return self._ended()
 
     def add_flat(self, method: str, req_id: str | None, outcome: Any, keys: list[bytes], flag: bool | None) -> bool:
         """Record a call captured flat (``Recorder.flight_captured``; ``flag``, unless None, its third
@@ -148,22 +159,40 @@ class FlightSegment:
             self._key(key)
         if flag is not None:
             self._extra(2, flag)
-        self.key_ends.append(len(self.key_refs))
+        return self._ended()
+
+    def _ended(self) -> bool:
+        """A call's last column written; True once the segment is over its budget."""
+        ends = self._key_ends_tail
+        ends.append(self._refs)
+        if len(ends) >= _SETTLE_CALLS:
+            self.settle()
         return self.nbytes > self.budget
+
+    def settle(self) -> None:
+        """Every call so far into the array columns (a reader's first step; one thread at a time with the
+        applier: the observer's drain lock)."""
+        for column, tail in ((self.reqs, self._reqs_tail), (self.outcomes, self._outcomes_tail),
+                             (self.key_ends, self._key_ends_tail), (self.key_refs, self._key_refs_tail),
+                             (self.extra_calls, self._extra_calls_tail),
+                             (self.extra_positions, self._extra_positions_tail)):
+            if tail:
+                column.fromlist(tail)
+                tail.clear()
 
     def _call(self, method: str, req_id: str | None, outcome: Any) -> None:
         self.methods.append(method)
         if req_id is None:
-            self.reqs.append(-1)
+            self._reqs_tail.append(-1)
         else:
             index = self._req_index.get(req_id)
             if index is None:
                 index = self._req_index[req_id] = len(self.req_ids)
                 self.req_ids.append(req_id)
                 self.nbytes += _KEY_BYTES
-            self.reqs.append(index)
+            self._reqs_tail.append(index)
         if outcome is None:
-            self.outcomes.append(-1)
+            self._outcomes_tail.append(-1)
         else:
             code = self._outcome_codes.get(id(outcome))
             if code is None:
@@ -172,7 +201,7 @@ class FlightSegment:
                 self.outcome_values.append(outcome if isinstance(outcome, (bool, str))
                                            else str(outcome))
                 self.nbytes += _KEY_BYTES
-            self.outcomes.append(code)
+            self._outcomes_tail.append(code)
         self.nbytes += _CALL_BYTES
 
     def _key(self, key: bytes) -> None:
@@ -181,21 +210,22 @@ class FlightSegment:
             index = self._key_index[key] = len(self.keys)
             self.keys.append(key)
             self.nbytes += _KEY_BYTES
-        self.key_refs.append(index)
+        self._key_refs_tail.append(index)
+        self._refs += 1
         self.nbytes += _REF_BYTES
 
     def _extra(self, position: int, value: Any) -> None:
         if not (value is None or isinstance(value, (bool, int, str))):
             value = self._encode(value)
             self.nbytes += len(value)
-        self.extra_calls.append(len(self.methods) - 1)
-        self.extra_positions.append(position)
+        self._extra_calls_tail.append(len(self.methods) - 1)
+        self._extra_positions_tail.append(position)
         self.extra_values.append(value)
         self.nbytes += _CALL_BYTES
 
     def extras_of(self, held: int) -> dict[int, list[tuple[int, Any]]]:
         """The other arguments of the first ``held`` calls: ``(position, value)`` pairs by call (for a bundle:
-        kvobs.flight.FlightWindow)."""
+        kvobs.flight.FlightWindow; settled first)."""
         out: dict[int, list[tuple[int, Any]]] = {}
         for i in range(len(self.extra_calls)):
             call = self.extra_calls[i]
