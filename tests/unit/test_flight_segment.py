@@ -20,7 +20,7 @@ def test_the_columns_read_back_every_call_whatever_the_settling() -> None:
     rng = random.Random(7)
     segment = FlightSegment(b"state", 0.0, {}, 1 << 60, lambda value: repr(value).encode())
     expected: list[tuple[str, str | None, object, list[bytes], bool | None]] = []
-    for i in range(5_000):  # several times _SETTLE_CALLS, settled at random points as well
+    for _ in range(5_000):  # several times _SETTLE_CALLS, settled at random points as well
         if rng.random() < 0.3:
             key, req = KEYS[rng.randrange(len(KEYS))], f"req-{rng.randrange(50)}"
             segment.add_fields(LOOKUP, key, req, rng.choice((True, False)), None)
