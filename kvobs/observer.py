@@ -264,8 +264,7 @@ class Observer:
         """Every sink a :class:`Snapshot` of the counters and the history's reach as they are (the caller
         drained, or chose not to)."""
         stats = self.history_stats
-        snapshot = Snapshot({key: self._counter_now(key) for key in self.counts}, stats.keys,
-                            stats.window(time.monotonic()))
+        snapshot = Snapshot(self._totals_now(), stats.keys, stats.window(time.monotonic()))
         self._each_sink(lambda s: s.on_snapshot(snapshot))
 
     # -- the evidence (drained first) ---------------------------------------
@@ -341,6 +340,10 @@ class Observer:
     def totals(self) -> dict[str, dict[str, int]]:
         """Every engine counter now, by totals key (what the journal's totals lines carry)."""
         self.drain()  # once, not once per counter
+        return self._totals_now()
+
+    def _totals_now(self) -> dict[str, dict[str, int]]:
+        """:meth:`totals` without the drain (the caller drained, or chose not to)."""
         return {key: self._counter_now(key) for key in self.counts}
 
     # -- recording -------------------------------------------------------
