@@ -41,9 +41,9 @@ venv: $(STAMP)
 
 # torch 2.13.0 CPU build first, then vLLM without its GPU dependencies, then the deps its
 # scheduler-side code needs (requirements/vllm-<release>.txt), then kvobs itself (which compiles
-# its hot path, the modules kvobs/hot_path_modules.py lists, with mypyc).
-HOT_PATH_SOURCES := $(shell $(PYTHON) -c 'import runpy; print(*(f"kvobs/{m}.py" for m in \
-  runpy.run_path("kvobs/hot_path_modules.py")["HOT_PATH_MODULES"]))')
+# its hot path, the modules kvobs/hot_path_modules.py lists, with mypyc, and its C capture ring).
+HOT_PATH_SOURCES := $(shell $(PYTHON) -c 'import runpy; m = runpy.run_path("kvobs/hot_path_modules.py"); \
+  print(*(f"kvobs/{n}.py" for n in m["HOT_PATH_MODULES"]), *(f"kvobs/{n}.c" for n in m["C_MODULES"]))')
 $(STAMP): pyproject.toml setup.py kvobs/__init__.py kvobs/hot_path_modules.py $(HOT_PATH_SOURCES) \
   requirements/vllm-$(VLLM_VERSION).txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvobs needs Python >= 3.11"'

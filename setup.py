@@ -1,4 +1,4 @@
-"""Compiles kvobs's hot path with mypyc; puts the dashboards, rules and manifests in the wheel.
+"""Compiles kvobs's hot path with mypyc and its capture ring from C; puts the dashboards, rules and manifests in the wheel.
 
 The hot path is the modules kvobs/hot_path_modules.py lists, compiled together (one group, one shared
 library: kvobs/hot_path__mypyc). One source, two forms: the same modules are the compiled extensions and
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -73,4 +73,13 @@ class BuildPyWithAssets(build_py):
         return [*super().get_source_files(), *assets().select(Path("."))]
 
 
-setup(ext_modules=hot_path_extensions(), cmdclass={"build_py": BuildPyWithAssets})
+def c_extensions() -> list:
+    """kvobs/hot_path_modules.py's C_MODULES (the capture ring: kvobs/capture_ring.py has its Python form, which
+    runs where it is not built)."""
+    if os.environ.get("KVOBS_NO_COMPILE", "") not in ("", "0"):
+        return []
+    return [Extension(f"kvobs.{name}", [os.path.join("kvobs", f"{name}.c")], optional=True)
+            for name in by_path("hot_path_modules.py").C_MODULES]
+
+
+setup(ext_modules=[*hot_path_extensions(), *c_extensions()], cmdclass={"build_py": BuildPyWithAssets})

@@ -1,17 +1,17 @@
 """What a capture is (its kinds, below), and the flight recorder's segment that applied captures go into.
 
-Capture, then apply (issue 33). On vLLM's scheduler thread a tap only calls vLLM and appends what happened to
-a bounded buffer (``Recorder.captures``): the call's kind, its keys and request id as references, its result,
-the time, appended flat (one ``deque.extend``, atomic under the GIL), so that no object is made and kept per
-call: a tuple per capture that held vLLM's request context stayed tracked by the garbage collector until
-applied, and the collections vLLM's own allocations trigger walked thousands of them (issue 43;
-``benchmarks/isolated.py`` measures it). The recording itself (promises by the rule in kvobs/hot_promises.py,
-the recent-removals memory, serials, near misses, the removal queue, the tier counters' read bits) is done by
-:meth:`Recorder.apply`, which takes captures in the order they were made, so it computes exactly what
-recording inline computed. The observer applies (``Observer.drain``) on kvobs's applier thread
-(kvobs/applier.py) every ``APPLY_EVERY_S`` or when ``CAPTURE_WAKE`` captures wait, on the journal writer's
-wake, whenever anything reads the evidence, and on a failed load once, on the failing thread, before the
-diagnosis reads (the failed load is itself captured: its near misses are redeemed in order). A buffer
+Capture, then apply (issue 33). On vLLM's scheduler thread a tap only calls vLLM and appends what happened to a
+bounded buffer (``Recorder.captures``): the call's kind, its keys and request id as references, its result, the
+time, appended flat (one call into the capture ring, kvobs/capture_ring.py, atomic under the GIL: in C, nothing
+allocated for it), so that no object is made and kept per call: a tuple per capture that held vLLM's request
+context stayed tracked by the garbage collector until applied, and the collections vLLM's own allocations
+trigger walked thousands of them (issue 43; ``benchmarks/isolated.py`` measures it). The recording itself
+(promises by the rule in kvobs/hot_promises.py, the recent-removals memory, serials, near misses, the removal
+queue, the tier counters' read bits) is done by :meth:`Recorder.apply`, which takes captures in the order they
+were made, so it computes exactly what recording inline computed. The observer applies (``Observer.drain``) on
+kvobs's applier thread (kvobs/applier.py) every ``APPLY_EVERY_S`` or when ``CAPTURE_WAKE`` captures wait, on the
+journal writer's wake, whenever anything reads the evidence, and on a failed load once, on the failing thread,
+before the diagnosis reads (the failed load is itself captured: its near misses are redeemed in order). A buffer
 at ``CAPTURE_LIMIT`` is applied by the thread that captures, then and there (counted:
 ``kvobs_capture_buffer_full_total``): nothing is dropped, so nothing is diagnosed from less than all of it
 (kvobs.codes, "the recorder's defaults"). Removal batches, once applied, are queued and folded by the observer
@@ -29,7 +29,7 @@ from typing import Any, Final
 
 # Final, all of these: compiled, a constant is inlined (in the other hot-path modules too), not a lookup in
 # the module's dict on every use.
-# A capture is its kind followed by a fixed number of fields, all in one flat deque (Recorder.captures):
+# A capture is its kind followed by a fixed number of fields, all in one flat ring (Recorder.captures):
 _LOOKUP: Final = 0  # _LOOKUP, key, request id, result, monotonic time
 _LOAD: Final = 1  # _LOAD, keys, request id, result: a load that succeeded
 _FINISH: Final = 2  # _FINISH, request id

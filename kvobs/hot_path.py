@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
+from kvobs.capture_ring import CaptureRing
 from kvobs.codes import (
     CAPACITY,
     CAPTURE_LIMIT,
@@ -106,10 +107,16 @@ class Recorder:
         (``Promises.redeemed``): :meth:`apply` stops after a load that adds one, so the observer judges it
         against the history as it was at that load (``Observer.drain``)."""
         self._fold_first = False  # apply stops after this capture: the observer folds before the next
-        # Flat: each capture is its kind and then its fields (the ``_LOOKUP``... table above), added by one
-        # extend, which no other thread's append can split; popleft() by the applier never loses one.
-        self.captures: deque[Any] = deque()
-        self._extend: Callable[[tuple[Any, ...]], None] = self.captures.extend  # read once: compiled, a lookup a call
+        # Flat: each capture is its kind and then its fields (kvobs/hot_captures.py's table), added by one call
+        # into the ring (kvobs/capture_ring.py: in C, nothing allocated), which no other thread's append can
+        # split; popleft() by the applier never loses one.
+        self.captures: Any = CaptureRing()
+        # Read once: compiled, a tap's call is then an attribute read and a vectorcall, no tuple made.
+        self.push: Callable[..., None] = self.captures.push
+        """``push(kind, *fields)``: a capture whose fields are all in hand (:meth:`made` counts it)."""
+        self.push_timed: Callable[..., None] = self.captures.push_timed
+        """``push_timed(kind, *fields)``: as :attr:`push`, then the monotonic time as its last field."""
+        self._extend: Callable[[tuple[Any, ...]], None] = self.captures.extend
         self._made = 0  # captures made (on vLLM's threads)
         self._applied = 0  # captures applied (one thread at a time: the observer's drain lock)
         # A call only the flight recorder keeps is captured flat: its method, request id, outcome, key count and
@@ -208,6 +215,11 @@ class Recorder:
         """Append one capture, its kind then its fields (the only recording a tap does on the caller's
         thread). Never raises kvobs's own faults; at the buffer's limit it applies the buffer here."""
         self._extend(fields)
+        self.counted()
+
+    def counted(self) -> None:
+        """One capture appended (by :meth:`capture`, or by a tap's :attr:`push`): the applier woken once
+        ``capture_wake`` wait, the buffer applied here at its limit."""
         self._made += 1
         waiting = self._made - self._applied
         if waiting >= self._capture_wake:
@@ -217,6 +229,16 @@ class Recorder:
         """Capture a manager call that just returned (a boundary between calls: where the flight
         recorder may snapshot the manager's state)."""
         self.capture(fields)
+        self.call_ended()
+
+    def call_pushed(self) -> None:
+        """A manager call's capture was pushed (:attr:`push`, :attr:`push_timed`) as it returned: counted, and
+        the call's end is a boundary (:meth:`call_captured`)."""
+        self.counted()
+        self.call_ended()
+
+    def call_ended(self) -> None:
+        """A manager call returned: where the flight recorder may snapshot the manager's state."""
         self._flight_left -= 1
         if self._flight_left <= 0:
             self.roll()

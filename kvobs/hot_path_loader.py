@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from kvobs.capture_ring import python_asked
 from kvobs.hot_path_modules import HOT_PATH_MODULES
 
 logger = logging.getLogger("kvobs")
 
 _MODULE = "kvobs.hot_path"
-
-
-def _forced_python() -> bool:
-    return os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0")
 
 
 def _source_module() -> ModuleType:
@@ -50,7 +46,7 @@ def is_compiled(module: ModuleType) -> bool:
 
 
 def _load() -> tuple[ModuleType, str]:
-    if _forced_python():
+    if python_asked():
         return _source_module(), "python"
     try:
         # One by one, those imported first: each compiled module then loads through its own file, whose path

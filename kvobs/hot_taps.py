@@ -1,7 +1,8 @@
 """The taps: each stands in for one of vLLM's bound methods and records around it.
 
 A tap calls the method with the caller's exact arguments, returns its result or lets its exception
-through untouched, and captures what happened (``Recorder.capture``, kvobs/hot_path.py). Taps never
+through untouched, and captures what happened (``Recorder.push``, kvobs/hot_path.py: one call into the
+capture ring, nothing allocated for it). Taps never
 raise anything of kvobs's own: faults go to ``on_error(stage, exc)``. The Recorder makes the manager's
 taps (``Recorder.lookup_tap``...); kvobs.vllm.compat sets the :class:`PolicyTap` family on vLLM's cache
 policy. Part of the hot path (kvobs/hot_path_modules.py): compiled with it, loaded with it.
@@ -84,7 +85,8 @@ class LookupTap:
         except Exception as exc:  # not a request context kvobs knows: nothing to capture, vLLM's answer stands
             rec.on_error("record.lookup", exc)
             return result
-        rec.call_captured((_LOOKUP, key, req_id, result, monotonic()))
+        rec.push_timed(_LOOKUP, key, req_id, result)  # the time last, read in the ring (kvobs/capture_ring.py)
+        rec.call_pushed()
         return result
 
 
@@ -178,7 +180,8 @@ class RequestTap:
             return result
         if rec.flight_calls:
             rec.flight_live.pop(req_id, None)
-        rec.call_captured((_FINISH, req_id))
+        rec.push(_FINISH, req_id)
+        rec.call_pushed()
         return result
 
 
@@ -350,7 +353,8 @@ class LoadTap:
         except Exception as exc:
             rec.on_error("record.load", exc)
             return result
-        rec.call_captured((_LOAD, keys, req_id, result))
+        rec.push(_LOAD, keys, req_id, result)
+        rec.call_pushed()
         return result
 
 

@@ -32,7 +32,7 @@ import yaml
 
 from kvobs import __version__, cli
 from kvobs.assets import PACKAGED, select
-from kvobs.hot_path_modules import HOT_PATH_MODULES
+from kvobs.hot_path_modules import C_MODULES, HOT_PATH_MODULES
 from tests.support.services import ROOT, clean_env, free_port, http_get, wait_for
 
 THIS_SITE = Path(sysconfig.get_path("purelib"))
@@ -110,12 +110,12 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
     packaged = sorted(n.removeprefix(f"kvobs/{PACKAGED}/") for n in names if n.startswith(f"kvobs/{PACKAGED}/"))
     assert packaged == select(ROOT)  # every asset the checkout has, and only those
     compiled = sorted(n.split(".")[0].removeprefix("kvobs/") for n in names if n.endswith(".so"))
-    assert compiled == (sorted([*HOT_PATH_MODULES, "hot_path__mypyc"]) if compiler_present() else []), compiled
+    assert compiled == (sorted([*HOT_PATH_MODULES, *C_MODULES, "hot_path__mypyc"]) if compiler_present() else []), compiled
     with tarfile.open(installed.sdist) as sdist:
         top = f"kvobs-{__version__}/"
         members = {m.name.removeprefix(top) for m in sdist.getmembers()}
     assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "kvobs/hot_path_modules.py",
-            *(f"kvobs/{name}.py" for name in HOT_PATH_MODULES)} <= members
+            *(f"kvobs/{name}.py" for name in HOT_PATH_MODULES), *(f"kvobs/{name}.c" for name in C_MODULES)} <= members
     assert not [m for m in members if m.startswith(("demo/", "kvobs/demo/")) or "cpu_worker" in m]
     assert set(select(ROOT)) <= members  # a wheel built from the sdist (python -m build does) has them too
 
@@ -123,12 +123,14 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
 @pytest.mark.slow
 def test_the_installed_kvobs_is_the_wheels(installed: Installed) -> None:
     probe = subprocess.run([str(installed.venv / "bin" / "python"), "-c",
-                            "import kvobs, kvobs.hot_path_loader as h, vllm; print(kvobs.__file__, h.HOT_PATH)"],
+                            "import kvobs, kvobs.hot_path_loader as h, kvobs.capture_ring as c, vllm; "
+                            "print(kvobs.__file__, h.HOT_PATH, c.RING_FORM)"],
                            cwd=installed.work, capture_output=True, text=True, timeout=120, env=clean_env())
     assert probe.returncode == 0, probe.stderr[-2000:]
-    where, hot_path = probe.stdout.split()
+    where, hot_path, ring = probe.stdout.split()
     assert Path(where).is_relative_to(installed.venv), where  # not the checkout, not the editable finder
     assert hot_path == ("compiled" if compiler_present() else "python")
+    assert ring == ("c" if compiler_present() else "python")
 
 
 @pytest.mark.slow
