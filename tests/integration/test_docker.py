@@ -28,7 +28,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvobs.hot_path_modules import HOT_PATH_MODULES
+from kvobs.hot_path_modules import C_MODULES, HOT_PATH_MODULES
 from kvobs.vllm.spec import ObservedOffloadingSpec, split_config
 from tests.support.services import ROOT, free_port, http_get, wait_for
 
@@ -355,6 +355,6 @@ def test_the_docker_build_context_builds_a_wheel_with_the_compiled_hot_path(tmp_
 
     names = zipfile.ZipFile(wheel).namelist()
     compiled = sorted(n.split(".")[0].removeprefix("kvobs/") for n in names if n.endswith(".so"))
-    assert compiled == sorted([*HOT_PATH_MODULES, "hot_path__mypyc"]), names  # the compiled form, all of it
+    assert compiled == sorted([*HOT_PATH_MODULES, *C_MODULES, "hot_path__mypyc"]), names  # the compiled form, all of it
     assert {f"kvobs/{name}.py" for name in HOT_PATH_MODULES} <= set(names), names  # and its source as fallback
     assert "-py3-none-any" not in wheel.name  # a platform wheel: it carries compiled code
