@@ -110,7 +110,8 @@ def test_the_distributions_carry_what_a_user_needs_and_nothing_else(installed: I
     packaged = sorted(n.removeprefix(f"kvobs/{PACKAGED}/") for n in names if n.startswith(f"kvobs/{PACKAGED}/"))
     assert packaged == select(ROOT)  # every asset the checkout has, and only those
     compiled = sorted(n.split(".")[0].removeprefix("kvobs/") for n in names if n.endswith(".so"))
-    assert compiled == (sorted([*HOT_PATH_MODULES, *C_MODULES, "hot_path__mypyc"]) if compiler_present() else []), compiled
+    native = sorted([*HOT_PATH_MODULES, *C_MODULES, "hot_path__mypyc"])
+    assert compiled == (native if compiler_present() else []), compiled
     assert not [n for n in names if n.endswith(".c")]  # built, not shipped as source (the sdist has it)
     with tarfile.open(installed.sdist) as sdist:
         top = f"kvobs-{__version__}/"
