@@ -83,7 +83,9 @@ STAGES: tuple[str, ...] = (
 )
 """Where kvobs can hit a fault of its own (the ``stage`` label of ``kvobs_internal_errors_total``)."""
 
-TIERS: tuple[str, ...] = ("cpu",)
+CPU_TIER = "cpu"
+"""The CPU tier's ``tier`` label value: the one tier kvobs's tier counters count (the recorder's fold)."""
+TIERS: tuple[str, ...] = (CPU_TIER,)
 """The offload tiers kvobs counts writes, reads and removals of (the ``tier`` label): the CPU tier, where
 vLLM exports no per-chunk account. A tiering manager's secondary tiers (file system, remote) are vLLM's own
 figures (``vllm:kv_offload_tiering_write_bytes`` / ``read_bytes`` by tier; the file-system tier evicts

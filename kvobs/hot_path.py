@@ -22,6 +22,7 @@ from kvobs.codes import (
     CAPACITY,
     CAPTURE_LIMIT,
     CAPTURE_WAKE,
+    CPU_TIER,
     DRAIN_BATCHES,
     DRAIN_KEYS,
     PATH_CODE,
@@ -38,8 +39,10 @@ from kvobs.hot_captures import (
     _FLAT,
     _LOAD,
     _LOOKUP,
+    _PROMOTED,
     _REMOVAL,
     _SNAPSHOT,
+    _STORED,
     FlightSegment,
 )
 from kvobs.hot_promises import Promises, RecentRemovals, RemovalRun, Verdict
@@ -54,6 +57,7 @@ from kvobs.hot_taps import (
     RequestTap,
     StoreTap,
 )
+from kvobs.metric_catalogue import new_counts
 
 get_ident: Final = threading.get_ident
 current_thread: Final = threading.current_thread
@@ -94,8 +98,15 @@ class Recorder:
         drain_batches: int = DRAIN_BATCHES,
         capture_wake: int = CAPTURE_WAKE,
         capture_limit: int = CAPTURE_LIMIT,
+        counts: dict[str, Any] | None = None,
     ) -> None:
-        self.promises = Promises(max_verdicts)
+        self.counts: dict[str, Any] = new_counts() if counts is None else counts
+        """The engine's counters by totals key (kvobs.metric_catalogue.new_counts; the observer's, which it reads).
+        Each counter the taps' captures tell is counted by one line of the fold (:meth:`apply` and what it
+        calls): ``self.counts[<totals key>][<label value>] += n``."""
+        self.chunk_bytes = 0
+        """Bytes of one CPU-tier chunk (kvobs.vllm.compat.chunk_bytes; ``Observer.chunk_bytes`` sets it)."""
+        self.promises = Promises(max_verdicts, self.counts["dropped"])
         self.recent = RecentRemovals(recent_keys)
         self.on_error = on_error
         self._on_apply = on_apply
@@ -127,8 +138,6 @@ class Recorder:
         self.flight_keys: deque[bytes] = deque()
         self._capture_wake = max(1, capture_wake)
         self._capture_limit = max(self._capture_wake, capture_limit)
-        self.captures_full = 0
-        """Times a capture found the buffer at its limit and applied it there (nothing is dropped)."""
         self.hit: object = None
         self.hit_pending: object = None
         """The LookupResult members a lookup answers HIT / HIT_PENDING with (set by :meth:`lookup_tap`)."""
@@ -139,20 +148,6 @@ class Recorder:
         self._first_serial = 0
         self.keep_residency = False
         """Whether batches keep each key's residency (only while a sink needs it)."""
-        self._evicted = [0] * len(REASONS)
-        self._batches = [0] * len(REASONS)
-        self._unread = [0] * len(REASONS)
-        self.stored = 0
-        """Chunks the CPU tier took to store (``prepare_store``'s ``keys_to_store``)."""
-        self.loaded = 0
-        """Chunks loaded from the CPU tier (``prepare_load`` calls that succeeded): every read, re-reads too."""
-        self.promoted = 0
-        """Chunks a tiering manager wrote into the CPU tier from a lower tier (its CPU tier's ``prepare_write``
-        took them: :class:`WriteTap`). Written chunks = ``stored`` + ``promoted``."""
-        self.read_once = 0
-        """Chunks read at least once since written: a load that set a slot's read bit that was clear. Never more
-        than the chunks written (a bit is cleared only by the removal of a written chunk), so read_once over
-        written is a share (kvobs.codes.read_back_share)."""
         # A bit per CPU-tier slot: set when its chunk is loaded, cleared when the chunk is removed, so a
         # removal tells a chunk never read since its store (issue 29: "is the tier doing anything").
         self._read = bytearray((max(0, num_stamps) + 7) >> 3)
@@ -308,7 +303,7 @@ class Recorder:
 
     def _backlogged(self, waiting: int) -> None:
         if waiting >= self._capture_limit:  # full: applied here, so nothing is lost (and counted)
-            self.captures_full += 1
+            self.counts["capture"]["full"] += 1  # on vLLM's thread: the event is the capture itself
             self.apply_now("record.removal")
         elif waiting == self._capture_wake and self._on_backlog is not None:
             try:
@@ -411,6 +406,13 @@ class Recorder:
                     self.on_error("record.removal", exc)
                 if self._fold_first:
                     break
+            elif kind == _STORED:  # chunks the CPU tier took to store (prepare_store's keys_to_store)
+                n = pop()
+                self.counts["stored"][CPU_TIER] += n
+                self.counts["stored_bytes"][CPU_TIER] += n * self.chunk_bytes
+                self.counts["written"][CPU_TIER] += n
+            elif kind == _PROMOTED:  # chunks a tiering manager's promotion wrote into the CPU tier (WriteTap)
+                self.counts["written"][CPU_TIER] += pop()
             elif kind == _FLAT:  # a call only the flight recorder keeps, its parts in order
                 self._apply_flat()
             elif kind == _CALL:
@@ -497,14 +499,6 @@ class Recorder:
             array("d", res) if len(res) == len(keys) and res else None,
         )
 
-    def totals(self) -> tuple[list[int], list[int]]:
-        """(chunks removed, removal batches) by reason code, counted as batches are queued."""
-        return list(self._evicted), list(self._batches)
-
-    def unread(self) -> list[int]:
-        """Chunks removed that were never loaded since their store, by reason code."""
-        return list(self._unread)
-
     def removal(
         self,
         keys: list[bytes],
@@ -577,13 +571,14 @@ class Recorder:
                     self._q_res.extend(residency)
                 else:
                     self._q_res.extend([_UNKNOWN] * n)
-            self._evicted[reason] += n
-            self._batches[reason] += 1
+            name = REASONS[reason]
+            self.counts["evicted"][name] += n
+            self.counts["batches"][name] += 1
             read = self._read
             if unlisted:
                 read[:] = bytes(len(read))  # nothing to tell the chunks apart by: none counts as unread
             elif chunk_ids is None:
-                self._unread[reason] += n
+                self.counts["unread"][name] += n
             else:
                 size = len(read) << 3
                 unread = n
@@ -593,7 +588,7 @@ class Recorder:
                         if read[cid >> 3] & bit:
                             read[cid >> 3] ^= bit
                             unread -= 1
-                self._unread[reason] += unread
+                self.counts["unread"][name] += unread
             if len(queued) >= self._drain_keys or len(reqs) >= self._drain_batches:
                 self._fold_first = True  # bounded: the observer folds the queue before the next capture
         finally:
@@ -612,9 +607,13 @@ class Recorder:
         return out
 
     def mark_loaded(self, count: int, result: Any) -> None:
-        """A load of ``count`` chunks succeeded, answering ``result``: counted, and each of its chunks'
-        read bits set (the slots ``loaded_chunk_ids`` reads off the result, as vLLM handed them out)."""
-        self.loaded += count
+        """A load of ``count`` chunks succeeded, answering ``result``: counted (every read, re-reads too), and each
+        of its chunks' read bits set (the slots ``loaded_chunk_ids`` reads off the result, as vLLM handed them out).
+        ``read_once``: a load that set a slot's read bit that was clear. Never more than the chunks written (a bit
+        is cleared only by the removal of a written chunk), so read_once over written is a share
+        (kvobs.codes.read_back_share)."""
+        self.counts["loaded"][CPU_TIER] += count
+        self.counts["loaded_bytes"][CPU_TIER] += count * self.chunk_bytes
         slots = self.loaded_chunk_ids
         if slots is None:
             return
@@ -627,7 +626,7 @@ class Recorder:
                 if not read[cid >> 3] & bit:
                     read[cid >> 3] |= bit
                     first += 1
-        self.read_once += first
+        self.counts["read_once"][CPU_TIER] += first
 
     def stamp(self, chunk_id: int, now: float) -> None:
         """The chunk slot was filled now."""

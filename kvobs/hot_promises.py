@@ -140,18 +140,24 @@ class Promises:
     """The promises of every live request (see the module docstring).
 
     Bounded: at most ``max_entries`` promises across all requests; one that does not fit is
-    dropped and counted (``dropped``), and its request is marked ``incomplete``. Not
+    dropped and counted (``dropped``: ``counts["verdicts"]``, the engine's ``dropped`` counter when the recorder
+    hands it in, kvobs/metric_catalogue.py), and its request is marked ``incomplete``. Not
     thread-safe by itself: vLLM calls the manager under its lock.
     """
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, counts: dict[str, int] | None = None) -> None:
         self.max_entries = max_entries
-        self.dropped = 0
+        self._counts: dict[str, int] = {"verdicts": 0} if counts is None else counts
         self._entries = 0
         self._requests: dict[str, _Request] = {}
 
     def __len__(self) -> int:
         return self._entries
+
+    @property
+    def dropped(self) -> int:
+        """Promises dropped to stay within ``max_entries``."""
+        return self._counts["verdicts"]
 
     def reported(self, req_id: str, key: bytes, code: int, now: float) -> None:
         """A lookup by ``req_id`` answered HIT / HIT_PENDING for ``key`` at ``now``: a fresh promise.
@@ -165,7 +171,7 @@ class Promises:
         verdicts = req.verdicts
         if key not in verdicts:
             if self._entries >= self.max_entries:
-                self.dropped += 1
+                self._counts["verdicts"] += 1
                 req.incomplete = True
                 return
             self._entries += 1

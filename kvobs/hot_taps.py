@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from kvobs.codes import DEFERRED_RELEASE, RESET, STORE_FAILED
-from kvobs.hot_captures import _CALL, _FAILED_LOAD, _FINISH, _LOAD, _LOOKUP
+from kvobs.hot_captures import _CALL, _FAILED_LOAD, _FINISH, _LOAD, _LOOKUP, _PROMOTED, _STORED
 
 if TYPE_CHECKING:  # typing only: kvobs.hot_path imports this module (compiled, the type is native all the same)
     from kvobs.hot_path import Recorder
@@ -122,7 +122,8 @@ class KeysTap:
 
 
 class StoreTap:
-    """``prepare_store(keys, req_context)``: as :class:`KeysTap`, and counts the chunks it took to store."""
+    """``prepare_store(keys, req_context)``: as :class:`KeysTap`, and captures how many chunks it took to store
+    (the recorder's fold counts them)."""
 
     def __init__(self, rec: Recorder, inner: Callable[..., Any], path: int) -> None:
         self.rec = rec
@@ -142,7 +143,8 @@ class StoreTap:
             rec.frame = before
         if result is not None:
             try:
-                rec.stored += len(result.keys_to_store)  # kvobs.vllm.compat.STORED_FIELD
+                rec.push(_STORED, len(result.keys_to_store))  # kvobs.vllm.compat.STORED_FIELD; counted when applied
+                rec.counted()
             except Exception as exc:
                 rec.on_error("record.store", exc)
         if rec.flight_calls:
@@ -283,8 +285,8 @@ class PassTap:
 
 class WriteTap:
     """A tiering manager's CPU tier's ``prepare_write(keys, req_context)`` (vLLM's ``prepare_store`` under the
-    name its promotions call): counts the chunks it took as ``promoted``, an int added on vLLM's thread, no
-    object made (kvobs.vllm.compat.PROMOTION_WRITE)."""
+    name its promotions call): captures how many chunks it took, which the recorder's fold counts as written
+    (kvobs.vllm.compat.PROMOTION_WRITE)."""
 
     def __init__(self, rec: Recorder, inner: Callable[..., Any]) -> None:
         self.rec = rec
@@ -295,7 +297,8 @@ class WriteTap:
         if result is not None:
             rec = self.rec
             try:
-                rec.promoted += len(result.keys_to_store)  # kvobs.vllm.compat.STORED_FIELD
+                rec.push(_PROMOTED, len(result.keys_to_store))  # kvobs.vllm.compat.STORED_FIELD
+                rec.counted()
             except Exception as exc:
                 rec.on_error("record.store", exc)
         return result

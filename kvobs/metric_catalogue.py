@@ -9,8 +9,10 @@ Everything that handles a counter iterates this table (stdlib only; cheap to imp
 * kvobs's opt-in counters on vLLM's own ``/metrics`` (kvobs/vllm/vllm_metrics.py, the entries with
   ``on_vllm``, under ``vllm:kv_offload_`` + name).
 
-So adding an engine counter is an entry here plus the line that counts it
-(``observer.counts[<totals key>][<label value>] += n``): docs/design.md, "Where to change what".
+So adding an engine counter is an entry here plus the line that counts it, ``counts[<totals key>][<label value>]
++= n`` where it happens: in the recorder's fold (``Recorder.apply``, kvobs/hot_path.py) for what the taps
+capture, in the observer for what it decides (a cause, a near miss). tests/unit/test_adding_a_counter.py adds one
+so, end to end, and counts the files it touched: docs/design.md, "Where to change what".
 Names are as prometheus_client's metric families take them: a counter's without its ``_total``
 (exposed with it). The names and labels are a contract (DESIGN.md, README "Metrics", the
 dashboards): add a metric here, never rename one.
@@ -18,6 +20,7 @@ dashboards): add a metric here, never rename one.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from kvobs.codes import CAUSES, DROP_STAGES, EXCEPTION_CAUSES, REASONS, STAGES, TIERS
@@ -64,10 +67,10 @@ class MetricDef(NamedTuple):
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_evicted_chunks", "counter", ("reason",), "Chunks removed from the CPU tier, by reason.",
-              values=REASONS, totals="evicted", counted="the recorder's removal taps (kvobs/hot_taps.py)",
+              values=REASONS, totals="evicted", counted="Recorder._apply_removal (kvobs/hot_path.py)",
               on_vllm=True),
     MetricDef("kvobs_eviction_batches", "counter", ("reason",), "Removal batches from the CPU tier, by reason.",
-              values=REASONS, totals="batches", counted="the recorder's removal taps (kvobs/hot_taps.py)"),
+              values=REASONS, totals="batches", counted="Recorder._apply_removal (kvobs/hot_path.py)"),
     MetricDef("kvobs_load_failures", "counter", ("cause",), "Failed prepare_load calls, by cause.",
               values=CAUSES, totals="failures", counted="Observer.report_failure (kvobs/observer.py)",
               on_vllm=True),
@@ -85,36 +88,36 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvobs_stored_chunks", "counter", ("tier",),
               "Chunks stored into an offload tier from the GPU (a store the tier took: prepare_store's "
               "keys_to_store); promotions from a lower tier are not stores (kvobs_written_chunks counts both).",
-              values=TIERS, totals="stored", counted="StoreTap (kvobs/hot_taps.py)"),
+              values=TIERS, totals="stored", counted="Recorder.apply, StoreTap's count (kvobs/hot_path.py)"),
     MetricDef("kvobs_loaded_chunks", "counter", ("tier",),
               "Chunks loaded back from an offload tier (prepare_load calls that succeeded), every read: a "
               "chunk read twice counts twice (kvobs_read_once_chunks counts it once).",
-              values=TIERS, totals="loaded", counted="Recorder.mark_loaded (kvobs/hot_path.py)"),
+              values=TIERS, totals="loaded", counted="Recorder.mark_loaded, the fold of a load (kvobs/hot_path.py)"),
     MetricDef("kvobs_stored_bytes", "counter", ("tier",),
               "Bytes of tier capacity those stored chunks took (chunks times the spec's kv_bytes_per_chunk).",
-              values=TIERS, totals="stored_bytes", counted="Observer.counter (stored chunks x chunk bytes)"),
+              values=TIERS, totals="stored_bytes", counted="Recorder.apply (chunks x chunk_bytes)"),
     MetricDef("kvobs_loaded_bytes", "counter", ("tier",),
               "Bytes of tier capacity those loaded chunks held (chunks times the spec's kv_bytes_per_chunk).",
-              values=TIERS, totals="loaded_bytes", counted="Observer.counter (loaded chunks x chunk bytes)"),
+              values=TIERS, totals="loaded_bytes", counted="Recorder.mark_loaded (chunks x chunk_bytes)"),
     MetricDef("kvobs_written_chunks", "counter", ("tier",),
               "Chunks written into an offload tier by any path: stores from the GPU and promotions from a "
               "lower tier (the denominator of the read-back share, kvobs.codes.READ_BACK_SHARE).",
-              values=TIERS, totals="written", counted="StoreTap + WriteTap (kvobs/hot_taps.py)"),
+              values=TIERS, totals="written", counted="Recorder.apply, the fold of StoreTap's and WriteTap's counts"),
     MetricDef("kvobs_read_once_chunks", "counter", ("tier",),
               "Chunks read at least once since written into an offload tier, each counted at its first read "
               "(the numerator of the read-back share, kvobs.codes.READ_BACK_SHARE).",
               values=TIERS, totals="read_once", counted="Recorder.mark_loaded's read bits (kvobs/hot_path.py)"),
     MetricDef("kvobs_evicted_unread_chunks", "counter", ("reason",),
               "Chunks removed from the CPU tier never loaded since their store (write waste), by reason.",
-              values=REASONS, totals="unread", counted="Recorder.removal's read bits (kvobs/hot_path.py)"),
+              values=REASONS, totals="unread", counted="Recorder._apply_removal's read bits (kvobs/hot_path.py)"),
     MetricDef("kvobs_dropped_records", "counter", ("stage",), "Records kvobs dropped to stay bounded.",
               values=DROP_STAGES, totals="dropped",
-              counted="JournalSink._enqueue (journal), the recorder's promises (verdicts), "
+              counted="JournalSink._enqueue (journal), Promises.reported (verdicts, kvobs/hot_promises.py), "
                       "the sidecar's SidecarState.apply (ingest: invalid text replaced)"),
     MetricDef("kvobs_capture_buffer_full", "counter", (),
               "Times a tap found kvobs's capture buffer full and applied it on vLLM's thread (nothing dropped; "
               "that call paid for the recording).",
-              totals="capture", part="full", counted="Recorder.capture (kvobs/hot_path.py)"),
+              totals="capture", part="full", counted="Recorder._backlogged, on vLLM's thread (kvobs/hot_path.py)"),
     MetricDef("kvobs_internal_errors", "counter", ("stage",),
               "Faults of kvobs's own (counted, never raised into vLLM).",
               values=STAGES, totals="errors", counted="Observer.internal_error (kvobs/observer.py)"),
@@ -177,6 +180,13 @@ for _metric in COUNTED:
     TOTALS[_metric.totals] = (*TOTALS.get(_metric.totals, ()), *((_metric.part,) if _metric.part else _metric.values))
 assert all(m.type == "counter" and (len(m.labels) == 1 or (len(m.labels) == 2 and m.sep)) != bool(m.part)
            for m in COUNTED), "an engine counter has one label (two joined by its sep), or no label and a part"
+
+
+def new_counts() -> dict[str, Counter[str]]:
+    """An engine's counters, one per totals key, every label value (or part) present from the start, so readers
+    on other threads can copy them while they change (their size never does): ``Observer.counts``, which the
+    recorder's fold and the observer count into (``counts[<totals key>][<label value>] += n``)."""
+    return {key: Counter(dict.fromkeys(values, 0)) for key, values in TOTALS.items()}
 
 
 def split_key(metric: MetricDef, key: str) -> list[str]:

@@ -19,18 +19,17 @@ from typing import Any, NamedTuple, TypeVar
 from kvobs import forks
 from kvobs.applier import APPLIER
 from kvobs.boundary import OffloadException
-from kvobs.codes import APPLY_BATCH, REASON_CODE, REASONS, RECENT_KEYS, TIERS
+from kvobs.codes import APPLY_BATCH, REASON_CODE, REASONS, RECENT_KEYS
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalRun, Verdict
-from kvobs.metric_catalogue import TOTALS
+from kvobs.metric_catalogue import new_counts
 from kvobs.options import Options
 from kvobs.recompute_ledger import RecomputeLedger
 
 T = TypeVar("T")
 
 logger = logging.getLogger("kvobs")
-CPU_TIER = TIERS[0]
 
 STATS_EVERY_S = 1.0
 FAILURE_WAIT_S = 2.0
@@ -178,6 +177,9 @@ class Observer:
     def __init__(self, options: Options | None = None, sinks: Iterable[Sink] = (), num_stamps: int = 0) -> None:
         self.options = options or Options()
         self._history = EvictionHistory(self.options.history_size)
+        self.counts: dict[str, Counter[str]] = new_counts()
+        """The engine's counters, one per totals key of kvobs/metric_catalogue.py: what the recorder's fold counts
+        (it holds the same dict) and what this counts (causes, near misses, errors). Read by :meth:`counter`."""
         self.recorder = Recorder(
             max_verdicts=self.options.max_verdicts,
             num_stamps=num_stamps,
@@ -186,13 +188,9 @@ class Observer:
             on_backlog=APPLIER.wake,
             # Below the history's reach, so the history holds every removal the hot path remembers.
             recent_keys=min(RECENT_KEYS, self.options.history_size // 4),
+            counts=self.counts,
         )
         self._sinks: tuple[Sink, ...] = ()
-        self.counts: dict[str, Counter[str]] = {key: Counter(dict.fromkeys(values, 0))
-                                                for key, values in TOTALS.items()}
-        """The engine's counters, one per totals key of kvobs/metric_catalogue.py, every label value present
-        from the start, so readers on other threads can copy them while they change (their size never
-        does). The recorder counts removals itself (:meth:`totals` reads them from it)."""
         self.flight: Any = None
         """The flight recorder's window (kvobs/flight.py), when one is kept (kvobs.vllm.flight_recorder.start)."""
         self.flight_off_reason: str | None = None
@@ -202,9 +200,6 @@ class Observer:
         no journal, reports or bundles; None when it is usable or none is set."""
         self.last_bundle_at: float | None = None
         """When (monotonic) the last replay bundle was written (kvobs.vllm.flight_recorder.bundle_on_failure)."""
-        self.chunk_bytes = 0
-        """Bytes of one CPU-tier chunk, set by the spec that sized the tier (kvobs.vllm.compat.chunk_bytes);
-        0 (bytes counters stay 0) where nothing says."""
         self.history_stats: HistoryStats = self._history.stats()
         self.recomputes = RecomputeLedger(self.options.survive_alarm_per_hour, self.counts["survive"])
         """Survive mode's ledger (its counts stay zero unless the ``survive`` option turned loads into recomputes)."""
@@ -307,35 +302,25 @@ class Observer:
         self.drain()
         return self.counts["errors"]
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one CPU-tier chunk, set by the spec that sized the tier (kvobs.vllm.compat.chunk_bytes), before
+        the manager's first call; 0 (bytes counters stay 0) where nothing says. The recorder's fold reads it."""
+        return self.recorder.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self.recorder.chunk_bytes = value
+
     def counter(self, key: str) -> dict[str, int]:
-        """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of
-        :attr:`counts`'s, or of what the recorder counts itself (removals, dropped verdicts), every
-        capture applied first."""
+        """One engine counter now, by its totals key (kvobs/metric_catalogue.py): a copy of :attr:`counts`'s,
+        every capture applied first."""
         self.drain()
         return self._counter_now(key)
 
     def _counter_now(self, key: str) -> dict[str, int]:
         """:meth:`counter` without the drain (the caller drained)."""
-        rec = self.recorder
-        if key == "evicted":
-            return dict(zip(REASONS, rec.totals()[0], strict=True))
-        if key == "batches":
-            return dict(zip(REASONS, rec.totals()[1], strict=True))
-        if key == "unread":
-            return dict(zip(REASONS, rec.unread(), strict=True))
-        if key == "written":
-            return {CPU_TIER: rec.stored + rec.promoted}
-        if key == "read_once":
-            return {CPU_TIER: rec.read_once}
-        if key in ("stored", "loaded", "stored_bytes", "loaded_bytes"):
-            chunks = rec.stored if key.startswith("stored") else rec.loaded
-            return {CPU_TIER: chunks * self.chunk_bytes if key.endswith("_bytes") else chunks}
-        out = dict(self.counts[key])
-        if key == "dropped":
-            out["verdicts"] = self.recorder.promises.dropped
-        elif key == "capture":
-            out["full"] = rec.captures_full
-        return out
+        return dict(self.counts[key])
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Every engine counter now, by totals key (what the journal's totals lines carry)."""

@@ -178,7 +178,7 @@ def test_promotions_from_the_fs_tier_are_writes_into_the_cpu_tier(tmp_path: Path
         truth.events()
         totals = m.observer.totals()
         promoted = totals["written"]["cpu"] - totals["stored"]["cpu"]
-        assert promoted > 0 and m.observer.recorder.promoted == promoted
+        assert promoted > 0  # WriteTap's captures, folded into written (kvobs/hot_path.py)
         assert truth.failed == 0 and totals["evicted"]["store_failed"] == 0
         # Every chunk written reached vLLM's stored events (GPU stores and promotions alike), less the ones
         # whose promotion is still in flight: those are resident, not ready, and announced later.
