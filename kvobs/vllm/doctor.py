@@ -508,13 +508,14 @@ def _survive(config: Mapping[str, Any], observed: Observed, report: Report) -> N
 
 
 def _hot_path(report: Report) -> None:
+    from kvobs.capture_ring import PURE_PYTHON_ENV, python_asked
     from kvobs.hot_path_loader import HOT_PATH
 
     report.data["hot_path"] = HOT_PATH
     if HOT_PATH == "compiled":
         report.say("hot path", "compiled (mypyc)")
-    elif os.environ.get("KVOBS_PURE_PYTHON", "") not in ("", "0"):
-        report.say("hot path", "pure Python, as KVOBS_PURE_PYTHON asks: same results, more scheduler CPU")
+    elif python_asked():
+        report.say("hot path", f"pure Python, as {PURE_PYTHON_ENV} asks: same results, more scheduler CPU")
     else:
         report.say("hot path", "pure Python (not compiled when kvobs was installed, or the compiled form does not "
                    "load with this Python): same results, more scheduler CPU")
