@@ -33,7 +33,7 @@ RELEASE_TESTS := tests/integration/test_causes.py tests/integration/test_transpa
   tests/integration/test_release_boundary.py tests/integration/test_reported_classes.py \
   tests/integration/test_tier_invariants.py tests/integration/test_expected_tier.py \
   tests/integration/test_bad_settings.py tests/integration/test_state_snapshot.py \
-  tests/integration/test_evidence_flow.py
+  tests/integration/test_evidence_flow.py tests/integration/test_inline_attributes.py
 
 .PHONY: venv release-venvs engine-venvs prometheus tools check test test-main test-releases test-engines test-soak lint typecheck demo serve-demo bench bench-engine clean image
 

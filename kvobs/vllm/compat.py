@@ -248,12 +248,14 @@ def _unforwardable(manager: OffloadingManager) -> list[str]:
     """Methods of vLLM's ``OffloadingManager`` kvobs has no row for that ``manager`` makes data (an instance
     value or a property): a bound method of the inner manager, set on the wrapper, could not stand for them."""
     out = []
+    missing = object()
     for name in unknown_methods():
-        try:
-            own = inspect.getattr_static(manager, name)
-        except AttributeError:
+        own = inspect.getattr_static(type(manager), name, missing)  # its class's: never its __dict__ (real_dict)
+        value = getattr(manager, name, missing)
+        if value is missing:
             continue
-        if not (is_method(own) or (name in getattr(manager, "__dict__", {}) and callable(own))):
+        class_data = not is_method(own) and (value is own or hasattr(type(own), "__set__"))  # property, value
+        if class_data or not callable(value):  # else a method, or a callable instance value: forwardable
             out.append(name)
     return out
 
@@ -393,8 +395,8 @@ def hook_policy(cpu: Any, recorder: Recorder, *, stamp_inserts: bool) -> None:
         taps.append(("insert", InsertTap(recorder, policy.insert)))
     for name, tap in taps:
         setattr(policy, name, tap)
-    write = cpu.__dict__.get(PROMOTION_WRITE) if hasattr(cpu, "__dict__") else None
-    if callable(write):  # a tiering CPU tier: its promotions' writes
+    write = instance_method(cpu, PROMOTION_WRITE)
+    if write is not None:  # a tiering CPU tier: its promotions' writes
         setattr(cpu, PROMOTION_WRITE, WriteTap(recorder, write))
     release = getattr(cpu, DEFERRED_RELEASE_METHOD, None)
     if callable(release):  # 0.34's tiering CPU tier
@@ -427,6 +429,7 @@ _INSTANCE_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 _METHOD_NAMES: dict[type, tuple[str, ...]] = {}
+_ABSENT_METHOD = object()
 
 
 def _method_names(cls: type) -> tuple[str, ...]:
@@ -436,6 +439,28 @@ def _method_names(cls: type) -> tuple[str, ...]:
         found = _METHOD_NAMES[cls] = tuple(name for name in dir(cls) if not name.startswith("__")
                                            and inspect.isfunction(inspect.getattr_static(cls, name)))
     return found
+
+
+def real_dict(obj: Any) -> dict[str, Any] | None:
+    """``obj``'s ``__dict__`` if something already made it a real one (None: its attributes are still kept
+    inline), found with ``gc.get_referents``, never by reading ``__dict__``: that read alone makes CPython 3.11
+    give a live object a real dict, and every attribute access of vLLM's code on it run unspecialised from then
+    on (+14% of the bare CPU manager's CPU on benchmarks/overhead.py's trace: docs/performance.md)."""
+    import gc
+
+    referents = [r for r in gc.get_referents(obj) if r is not type(obj)]
+    if len(referents) == 1 and type(referents[0]) is dict and all(type(k) is str for k in referents[0]):
+        return referents[0]
+    return None
+
+
+def instance_method(obj: Any, name: str) -> Callable[..., Any] | None:
+    """A callable ``obj`` holds as an instance attribute ``name``, not its class (tiering's ``prepare_write =
+    self.prepare_store``); None if there is none. Read without ``obj.__dict__`` (:func:`real_dict`)."""
+    if inspect.getattr_static(type(obj), name, None) is not None:
+        return None
+    value = getattr(obj, name, None)
+    return value if callable(value) else None
 
 
 def _live_state(obj: Any) -> dict[str, Any]:
@@ -450,12 +475,14 @@ def _live_state(obj: Any) -> dict[str, Any]:
     state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
     # An instance attribute in place of one of the class's methods, one vLLM's __init__ does not set, wraps it
     # (kvobs's own policy taps, hook_policy's; a profiler's timer): behaviour, not state of vLLM's, left out.
+    # (A name the class has lost since _method_names cached it reads as _ABSENT_METHOD: vLLM's class changed.)
     stand_ins = {name: value for name in _method_names(type(obj)) if name not in state
-                 and getattr(value := getattr(obj, name), "__self__", None) is not obj}
+                 and (value := getattr(obj, name, _ABSENT_METHOD)) is not _ABSENT_METHOD
+                 and getattr(value, "__self__", None) is not obj}
+    already = real_dict(obj)
+    if already is not None and set(already) >= set(state):  # something read its __dict__: nothing to spare
+        return {name: value for name, value in already.items() if name not in stand_ins}
     referents = [r for r in gc.get_referents(obj) if r is not type(obj)]
-    if len(referents) == 1 and isinstance(referents[0], dict) and set(referents[0]) >= set(state):
-        # its __dict__ is a real one already (something read it): nothing to spare
-        return {name: value for name, value in referents[0].items() if name not in stand_ins}
     for value in stand_ins.values():  # one referent each (two attributes may hold one object)
         found = next((i for i, r in enumerate(referents) if r is value), None)
         if found is not None:
