@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     args = parser.parse_args()
     figures = measure(args.runs or 7, args.calls)
-    print(f"hot path: {HOT_PATH}; {args.calls} calls a round, best of {args.runs or 7} rounds, collector on (each round's prior heap frozen)")
+    print(f"hot path: {HOT_PATH}; {args.calls} calls a round, best of {args.runs or 7} rounds, "
+          "collector on (each round's prior heap frozen)")
     rows = [[side, f"{f['best_ns']:.0f}", f"{f['median_ns']:.0f}", f"{f['worst_ns']:.0f}"]
             for side, f in figures.items()]
     rows.append(["tap adds (nothing)", f"{figures['tap']['best_ns'] - figures['bare']['best_ns']:.0f}",

@@ -215,7 +215,7 @@ def _guarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
                 _boundary(self).left(name, exc, args)
                 raise
             try:
-                (self.__dict__.get("_kvobs_boundary") or _boundary(self)).noted(name, args, result)
+                _boundary(self).noted(name, args, result)
             except Exception:  # a note kvobs could not take: the call's result is vLLM's all the same
                 _boundary(self).faults += 1
             return result
@@ -233,12 +233,14 @@ def _guarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _boundary(connector: Any) -> Boundary:
-    """The connector's boundary, made at its first guarded call; its side is the connector's role."""
-    found: Boundary | None = connector.__dict__.get("_kvobs_boundary")
+    """The connector's boundary, made at its first guarded call; its side is the connector's role. Read and
+    set as an attribute, never through the connector's ``__dict__`` (kvobs.vllm.compat.real_dict: a read of it
+    would make vLLM's connector code on this object run unspecialised from then on)."""
+    found: Boundary | None = getattr(connector, "_kvobs_boundary", None)
     if found is None:
         side = "scheduler" if getattr(connector, "connector_scheduler", None) is not None else "worker"
         found = Boundary(side, lambda: observer_of(connector), lambda: _options_of(connector))
-        connector.__dict__["_kvobs_boundary"] = found
+        object.__setattr__(connector, "_kvobs_boundary", found)
     return found
 
 

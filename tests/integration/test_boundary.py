@@ -359,3 +359,18 @@ def test_a_vllm_assertion_inside_the_manager_is_named_at_its_site_by_the_taps(tm
         assert len(list((directory / "replay").glob("*.kvobs-replay.zip"))) == 1, "at most one a minute"
     finally:
         scheduler.shutdown()
+
+
+def test_the_boundary_leaves_the_connectors_attributes_inline(tmp_path: Path) -> None:
+    """Each connector's boundary is kept as an attribute, not through its ``__dict__``: vLLM's connector code
+    on it stays specialised (tests/integration/test_inline_attributes.py, for the managers)."""
+    scheduler, worker, _ = connectors(tmp_path)
+    try:
+        assert boundary_of(scheduler) is boundary_of(scheduler) and boundary_of(worker).side == "worker"
+        made_real = [side for side, connector in (("scheduler", scheduler), ("worker", worker),
+                                                  ("scheduler's", scheduler.connector_scheduler))
+                     if compat.real_dict(connector) is not None]
+        assert made_real == [], f"kvobs gave the {made_real} connector a real __dict__"
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
