@@ -35,7 +35,7 @@ from benchmarks._common import arg_parser, median, paired_ratios, percentile, pr
 from kvobs.codes import PATH_CODE, REASON_CODE
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
-from kvobs.observer import FailureEvent, Observer, Unloadable
+from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
 from kvobs.sidecar.ingest import CHECKPOINT, Ingest
 from kvobs.versions import SUPPORTED_VLLM
@@ -86,7 +86,7 @@ class Engine:
             unloadable = [Unloadable(k, i % GROUPS, 16 * (i + 1), MISSING) for i, k in enumerate(keys)]
             diagnosis = self.observer.load_failed("Chunk b'..' not found in cache", f"req-f{n}", 16,
                                                   (16, 256), unloadable, 0)
-            self.sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+            self.observer.publish_failure(diagnosis, AssertionError(diagnosis.message))
 
     def close(self) -> None:
         self.sink.close()

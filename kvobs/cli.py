@@ -173,14 +173,8 @@ def _explain(args: argparse.Namespace) -> int:
     import json
 
     from kvobs import explain_tracebacks
-    from kvobs.explain import (
-        ExplainError,
-        add_directory_evidence,
-        add_sidecar_evidence,
-        as_json,
-        render,
-        scan_log,
-    )
+    from kvobs.explain import ExplainError, as_json, render, scan_log
+    from kvobs.explain_evidence import add_directory_evidence, add_sidecar_evidence
 
     token = None
     try:

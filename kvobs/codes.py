@@ -154,6 +154,9 @@ APPLY_EVERY_S = 0.05
 """How often kvobs's applier thread applies what every observed manager captured."""
 APPLY_BATCH = 2_048
 """Captures applied per hold of the GIL-bound apply loop: the scheduler thread waits for at most one."""
+SNAPSHOT_EVERY_S = 0.25
+"""The longest the sinks' counters lag one counted outside any drain (survive mode's recompute ledger): a
+drain pushes them when it changed them, and at least this often (kvobs's applier drains every APPLY_EVERY_S)."""
 
 # -- histogram buckets (residency and eviction age) ------------------------------------
 

@@ -43,8 +43,8 @@ from kvobs import forks
 from kvobs.bundles import MAX_BUNDLES, MAX_HEADER_BYTES
 from kvobs.files import held, hold, keep_newest, private_dir, write_all, write_durably
 from kvobs.hot_path_loader import HOT_PATH, RemovalRun
-from kvobs.observer import SHUTDOWN_WAIT_S, ExceptionEvent, FailureEvent, Sink, Snapshot
 from kvobs.options import Options
+from kvobs.sinks import SHUTDOWN_WAIT_S, ExceptionEvent, FailureEvent, Sink, Snapshot
 from kvobs.wire.decode import report_files
 from kvobs.wire.encode import (
     bounded_report,
@@ -374,7 +374,7 @@ class JournalSink(Sink):
         self.run = os.urandom(6).hex()
         # Fitted to what the sidecar reads (a model path may be longer than a label it takes).
         self.writer = Writer(self.engine, os.getpid(), self.run, fit_model_name(options.model_name or ""))
-        self._snapshot: Snapshot | None = None  # the latest the observer pushed (its pump)
+        self._snapshot: Snapshot | None = None  # the latest the observer pushed (Observer.drain)
         self._queue: deque[tuple[Any, ...]] = deque()
         self._queued = 0  # records in the queue (a run of batches counts each batch)
         self._limit = QUEUE_RECORDS  # -1 in a forked child: every record dropped, counted (_forked)
@@ -453,7 +453,7 @@ class JournalSink(Sink):
         except Exception as fault:  # the journal (with the failure in its totals) still gets flushed
             self.fault("report", fault)
         try:  # the observer pushed the counters with the failure in them (Observer.publish_failure)
-            self.flush(timeout=remaining, durable=True, pump=False)
+            self.flush(timeout=remaining, durable=True)
         except Exception as fault:
             self.fault("journal", fault)
 
@@ -487,19 +487,14 @@ class JournalSink(Sink):
             history_window_s=0.0 if snapshot is None else snapshot.history_window_s, seq=next(self._totals_seq),
         )
 
-    def flush(self, timeout: float = -1, durable: bool = False, pump: bool = True) -> bool:
-        """Write out what is queued plus current totals; False if the lock was not had in time.
-
-        The observer's pump runs first (it folds the removal queue, skipped if another thread
-        is folding it, and pushes the snapshot the totals are made of), before the write lock
-        is taken: a writer holding the write lock never waits for the drain lock. ``pump`` False: the
-        observer pushed them just now (a failure's publication). In a forked child nothing is written
-        (:meth:`_forked`).
+    def flush(self, timeout: float = -1, durable: bool = False) -> bool:
+        """Write out what is queued plus the totals of the latest :class:`Snapshot` the observer pushed (at the
+        end of each drain that changed them: kvobs's applier drains every ``APPLY_EVERY_S``, so they are at
+        most that old; the journal never calls into the observer); False if the lock was not had in time.
+        In a forked child nothing is written (:meth:`_forked`).
         """
         if self.forked_from is not None:
             return True
-        if pump:
-            self.pump()
         totals = self._totals()
         if not self._write_lock.acquire(timeout=timeout):
             return False

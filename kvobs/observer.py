@@ -1,4 +1,5 @@
-"""The evidence core: history, promises, near misses, diagnosis, sinks.
+"""The evidence core: history, promises, near misses, diagnosis; what it records goes to its sinks
+(kvobs/sinks.py).
 
 It knows nothing of vLLM: the glue in ``kvobs.vllm`` installs the recorder's taps
 (``kvobs.hot_path_loader``) and tells it when a load failed; the observer keeps the
@@ -19,28 +20,20 @@ from typing import Any, NamedTuple, TypeVar
 from kvobs import forks
 from kvobs.applier import APPLIER
 from kvobs.boundary import OffloadException
-from kvobs.codes import APPLY_BATCH, REASON_CODE, REASONS, RECENT_KEYS
+from kvobs.codes import APPLY_BATCH, REASON_CODE, REASONS, RECENT_KEYS, SNAPSHOT_EVERY_S
 from kvobs.diagnosis import Diagnosis, KeyFacts, LoadFailure, diagnose
 from kvobs.history import EvictionHistory, HistoryStats, Removal
 from kvobs.hot_path_loader import Breach, NearMiss, Promises, Recorder, RemovalRun, Verdict
 from kvobs.metric_catalogue import new_counts
 from kvobs.options import Options
 from kvobs.recompute_ledger import RecomputeLedger
+from kvobs.sinks import FAILURE_WAIT_S, Deadline, ExceptionEvent, FailureEvent, Sink, Snapshot
 
 T = TypeVar("T")
 
 logger = logging.getLogger("kvobs")
 
 STATS_EVERY_S = 1.0
-FAILURE_WAIT_S = 2.0
-"""How long a failing load's thread waits for every sink together (the report, the journal's drain, the
-span's export): one deadline for all of them (:attr:`FailureEvent.deadline`), since the engine is about
-to die and the waits must not add up."""
-SHUTDOWN_WAIT_S = 2.0
-"""How long a sink's ``close`` waits for anything of its own (a writer thread, an exporter) at an
-engine's shutdown, so that a stuck one never hangs it."""
-
-
 class Unloadable(NamedTuple):
     """A key of a failed load that cannot be read, as the glue found it in the cache."""
 
@@ -49,120 +42,6 @@ class Unloadable(NamedTuple):
     end_token: int | None
     state: str  # kvobs.diagnosis.MISSING or NOT_READY
     expected_tier: str | None = None  # where the load expected it, as vLLM names it (compat.expected_tier)
-
-
-class Deadline:
-    """A moment on the monotonic clock that several waits share."""
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        """Seconds left (0 once it passed)."""
-        return max(0.0, self.at - time.monotonic())
-
-
-class FailureEvent(NamedTuple):
-    """One failed load, as every sink receives it (the same object for all)."""
-
-    diagnosis: Diagnosis
-    exc: BaseException
-    """vLLM's assertion, its message already kvobs's explanation."""
-    trace: tuple[str, str] | None = None
-    """(trace_id, span_id) in hex of the failure's span when one is sampled (a sink's
-    :meth:`Sink.start_failure` started it), else None."""
-    deadline: Deadline | None = None
-    """When every sink must be done with this failure (``FAILURE_WAIT_S`` from its start): a sink
-    waits at most ``deadline.remaining()``."""
-
-    def remaining(self) -> float:
-        """Seconds this failure's sinks have left."""
-        return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
-
-
-class ExceptionEvent(NamedTuple):
-    """One exception at the connector's boundary (kvobs/vllm/boundary.py), as every sink receives it."""
-
-    failure: OffloadException
-    exc: BaseException
-    """vLLM's exception, the same object that propagates, unchanged."""
-    trace: tuple[str, str] | None = None
-    deadline: Deadline | None = None
-
-    def remaining(self) -> float:
-        return FAILURE_WAIT_S if self.deadline is None else self.deadline.remaining()
-
-
-class Snapshot(NamedTuple):
-    """The engine's counters and its history's reach at one moment, as the observer pushes them to sinks."""
-
-    counters: dict[str, dict[str, int]]
-    """Every engine counter by totals key (kvobs/metric_catalogue.py): :meth:`Observer.totals`."""
-    history_keys: int
-    history_window_s: float
-
-
-def _no_pump() -> None:
-    """A sink's pump before an observer binds it: nothing to drain."""
-
-
-def _log_fault(stage: str, exc: BaseException) -> None:
-    logger.error("kvobs internal error in %s (a sink no observer has bound yet): %r", stage, exc)
-
-
-class Sink:
-    """Receives what the observer records. Methods are no-ops; override what you need.
-
-    A failure reaches the sinks in two rounds, as OpenTelemetry's span processors and exporters
-    split the work: :meth:`start_failure` on every sink (the tracing sink starts the failure's span
-    there and returns its ids), then :meth:`on_failure` on every sink with one :class:`FailureEvent`
-    carrying those ids. No sink knows of another; their order changes nothing.
-    """
-
-    stage: str = "sink"
-    """The ``stage`` label this sink's own faults are counted under (one of ``kvobs.codes.STAGES``)."""
-    needs_residency: bool = False
-    """Whether removal runs must carry each key's residency (costs the hot path a little)."""
-
-    pump: Callable[[], None] = staticmethod(_no_pump)
-    """Bound by :meth:`Observer.add_sink`: folds what the recorder queued (skipped when another thread
-    is folding) and pushes every sink a :class:`Snapshot`. A sink with a thread of its own (the
-    journal's writer) calls it to have the latest evidence pushed to it; it never reads the observer."""
-    fault: Callable[[str, BaseException], None] = staticmethod(_log_fault)
-    """Bound by :meth:`Observer.add_sink`: counts a fault of this sink's own thread (``stage``, the error)."""
-
-    def bind(self, pump: Callable[[], None], fault: Callable[[str, BaseException], None]) -> None:
-        """The observer's two calls a sink may make (see :attr:`pump`, :attr:`fault`)."""
-        self.pump = pump
-        self.fault = fault
-
-    def on_snapshot(self, snapshot: Snapshot) -> None:
-        """The counters and the history's reach now (each :attr:`pump`)."""
-
-    def on_removals(self, run: RemovalRun) -> None:
-        """Removal batches, in serial order, on the thread that drains the recorder's queue."""
-
-    def on_near_miss(self, near_misses: Sequence[NearMiss], reason: str) -> None:
-        """Promised chunks were removed before their load asked for them."""
-
-    def start_failure(self, diagnosis: Diagnosis, exc: BaseException, deadline: Deadline) -> tuple[str, str] | None:
-        """A load failed (first round, done by ``deadline``): the (trace_id, span_id) of the trace this
-        sink starts for it, if it starts one, else None."""
-        return None
-
-    def on_failure(self, event: FailureEvent) -> None:
-        """A load failed (second round); called (and must finish, bounded) before the exception leaves kvobs."""
-
-    def start_exception(self, failure: OffloadException, exc: BaseException,
-                        deadline: Deadline) -> tuple[str, str] | None:
-        """An exception left vLLM's offloading code (first round, as :meth:`start_failure`)."""
-        return None
-
-    def on_exception(self, event: ExceptionEvent) -> None:
-        """An exception left vLLM's offloading code (second round, bounded, before it propagates)."""
-
-    def close(self) -> None:
-        """Flush and release resources."""
 
 
 class Observer:
@@ -214,6 +93,8 @@ class Observer:
         the manager, with the requests' lifecycle, so the manager's taps do not (kvobs/vllm/manager.py)."""
         self._drain_lock = threading.RLock()
         self._draining = False
+        self._unpushed = False  # counters changed since the sinks' last Snapshot (pushed by the next drain)
+        self._push_due = 0.0  # a drain after this pushes whatever changed (SNAPSHOT_EVERY_S)
         self.forked_from: int | None = None
         """In a child forked from the engine, the parent's pid (kvobs/forks.py, docs/design.md "Fork"): the
         evidence works in-process, nothing is written into the parent's ``dir``."""
@@ -243,21 +124,22 @@ class Observer:
         return self._sinks
 
     def add_sink(self, sink: Sink) -> None:
-        """Send everything recorded from now on to ``sink`` too (and bind its pump and fault calls)."""
+        """Send everything recorded from now on to ``sink`` too (and bind its fault call)."""
         self.drain()  # what was queued before belongs to the sinks already there
-        sink.bind(self.pump, self.internal_error)
+        sink.bind(self.internal_error)
         self._sinks = (*self._sinks, sink)
         self.recorder.keep_residency = any(s.needs_residency for s in self._sinks)
 
     def pump(self) -> None:
-        """Fold what is queued (skipped when another thread is folding) and push every sink a
-        :class:`Snapshot`: the one way evidence reaches sinks besides removals and failures."""
+        """Apply what is waiting (skipped when another thread is applying) and push every sink a
+        :class:`Snapshot`, changed or not (an exception's publication)."""
         self.drain(block=False)
         self._push_snapshot()
 
     def _push_snapshot(self) -> None:
         """Every sink a :class:`Snapshot` of the counters and the history's reach as they are (the caller
         drained, or chose not to)."""
+        self._push_due = time.monotonic() + SNAPSHOT_EVERY_S
         stats = self.history_stats
         snapshot = Snapshot(self._totals_now(), stats.keys, stats.window(time.monotonic()))
         self._each_sink(lambda s: s.on_snapshot(snapshot))
@@ -353,20 +235,31 @@ class Observer:
                 try:
                     applied = rec.apply(min(waiting, APPLY_BATCH)) if waiting > 0 else 0
                     waiting -= applied
-                    self._fold_queued()
+                    folded = self._fold_queued()
                     self._settle_near()
+                    last = waiting <= 0 or not applied  # nothing left applies: another thread took the rest
+                    if applied or folded:
+                        self._unpushed = True
+                    # The sinks get the counters the drain left, under its lock (one way, in order); a count made
+                    # outside any drain (the recompute ledger's) within SNAPSHOT_EVERY_S.
+                    if last and (self._unpushed or time.monotonic() >= self._push_due):
+                        self._unpushed = False
+                        self._push_snapshot()
                 finally:
                     self._draining = False
             finally:
                 lock.release()
-            if waiting <= 0 or not applied:  # nothing left applies: another thread took the rest, in order
+            if last:
                 return
 
-    def _fold_queued(self) -> None:
-        """Fold the removal batches applied so far (with the drain lock held)."""
+    def _fold_queued(self) -> int:
+        """Fold the removal batches applied so far (with the drain lock held); how many runs."""
         rec = self.recorder
+        runs = 0
         while rec.pending:
             self._fold(rec.take_run())
+            runs += 1
+        return runs
 
     def _settle_near(self) -> None:
         """Count and publish the near misses the recorder applied (with the drain lock held, every removal
@@ -604,6 +497,7 @@ class Observer:
         if stage not in errors:
             stage = "sink"
         errors[stage] += 1
+        self._unpushed = True  # the next drain pushes it (Observer.drain)
         if errors[stage] == 1 and not said:
             logger.error("kvobs internal error in %s (counted, not raised): %r", stage, exc)
 
@@ -615,9 +509,14 @@ class Observer:
                 self.internal_error(stage or sink.stage, exc)
 
     def close(self) -> None:
+        """Apply everything, push the sinks the final counters (whatever changed them), and close the sinks."""
         APPLIER.forget(self)
         try:
             self.drain()
         except Exception as exc:
             self.internal_error("record.removal", exc)
+        try:
+            self._push_snapshot()
+        except Exception as exc:
+            self.internal_error("shutdown", exc)
         self._each_sink(lambda s: s.close(), "shutdown")

@@ -30,7 +30,7 @@ semantic conventions it also carries ``error.type`` (the cause: kvobs's class of
 conventions' name; left out when kvobs knows no model name) and the engine label as ``kvobs.engine``
 (no convention names a data-parallel engine index); its status is ERROR with the cause and vLLM's
 message as description.
-Its ids go into the failure event every sink receives (``kvobs.observer.FailureEvent``), so into
+Its ids go into the failure event every sink receives (``kvobs.sinks.FailureEvent``), so into
 the failure report too: the observer asks every sink's ``start_failure`` before any ``on_failure``,
 and this sink starts the span there (:meth:`TracingSink.start_failure`), so the report and the
 sidecar's exemplar name the trace the backend received, whatever order the sinks were added in.
@@ -53,7 +53,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvobs.boundary import OffloadException
 from kvobs.diagnosis import Diagnosis
-from kvobs.observer import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, ExceptionEvent, FailureEvent, Sink
+from kvobs.sinks import FAILURE_WAIT_S, SHUTDOWN_WAIT_S, Deadline, ExceptionEvent, FailureEvent, Sink
 from kvobs.wire.format import fit_model_name
 
 logger = logging.getLogger("kvobs")

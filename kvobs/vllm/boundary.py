@@ -29,8 +29,9 @@ from typing import Any
 from kvobs.boundary import OffloadException, cause_of
 from kvobs.journal import ReportFiles
 from kvobs.lifecycle import NOT_RECORDED, Lifecycle
-from kvobs.observer import FAILURE_WAIT_S, Deadline, ExceptionEvent, Observer
+from kvobs.observer import Observer
 from kvobs.options import Options
+from kvobs.sinks import FAILURE_WAIT_S, Deadline, ExceptionEvent
 from kvobs.sites import sites_of
 from kvobs.vllm import compat
 from kvobs.wire.encode import exception_report

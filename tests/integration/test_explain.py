@@ -494,7 +494,7 @@ class _EndlessPages(BaseHTTPRequestHandler):
 
 
 def test_sidecar_paging_is_bounded_and_says_where_it_stopped(logs: dict[str, Path]) -> None:
-    from kvobs.explain import MAX_SIDECAR_PAGES
+    from kvobs.explain_evidence import MAX_SIDECAR_PAGES
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _EndlessPages)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -511,7 +511,7 @@ def test_sidecar_paging_is_bounded_and_says_where_it_stopped(logs: dict[str, Pat
 def _failing_after_one_page(upstream: str, failure: str) -> type[BaseHTTPRequestHandler]:
     """A proxy that serves the first page from a real ``kvobs serve`` and fails every later one as
     ``failure`` says: the connection closed unanswered, a page that is not JSON, a page over the read cap."""
-    from kvobs.explain import MAX_SIDECAR_PAGE_BYTES
+    from kvobs.explain_evidence import MAX_SIDECAR_PAGE_BYTES
 
     class Proxy(BaseHTTPRequestHandler):
         def do_GET(self) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvobs.journal import FLUSH_EVERY_S
-from kvobs.observer import SHUTDOWN_WAIT_S
+from kvobs.sinks import SHUTDOWN_WAIT_S
 from tests.support.faults import observed_cpu, same_failure_as_bare
 
 

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from kvobs.observer import FAILURE_WAIT_S
+from kvobs.sinks import FAILURE_WAIT_S
 from kvobs.tracing import provider_from_env
 from tests.support.faults import closed_port, observed_cpu, same_failure_as_bare, silent_server
 from tests.support.figures import MEASURED

@@ -20,7 +20,7 @@ import pytest
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
-from kvobs.observer import FailureEvent, Observer, Unloadable
+from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
 from kvobs.wire.format import MAX_LINE_BYTES
 from tests.support.removals import record_removal
@@ -35,7 +35,7 @@ def _key(i: int) -> bytes:
 def _fail(observer: Observer, sink: JournalSink, req_id: str = "req-f") -> None:
     diagnosis = observer.load_failed("Chunk b'x' not found in cache", req_id, 1, None,
                                      [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
-    sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+    observer.publish_failure(diagnosis, AssertionError(diagnosis.message))  # the counters, then the sinks
 
 
 def _engine(directory: Path, **options: Any) -> tuple[Observer, JournalSink]:

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs.journal import JournalSink
-from kvobs.observer import FailureEvent, Observer
+from kvobs.observer import Observer
 from kvobs.options import Options
 from tests.support.removals import record_removal
 from tests.support.services import ROOT, free_port, http_get
@@ -31,7 +31,7 @@ def write_engine(directory: Path, engine: str, removals: int, fail: bool = False
 
         diagnosis = observer.load_failed("Chunk b'x' not found in cache", "req-f", 1, None,
                                          [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
-        sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+        observer.publish_failure(diagnosis, AssertionError(diagnosis.message))
     sink.close()
     return observer
 

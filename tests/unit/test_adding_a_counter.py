@@ -36,7 +36,7 @@ ENGINE_AND_SIDECAR = textwrap.dedent('''
     observer.add_sink(sink)
     for _ in range(3):
         observer.internal_error("journal", RuntimeError("a test's"))
-    sink.close()
+    observer.close()  # drains, pushes the counters to the sinks, closes them
     ingest = Ingest(Path(sys.argv[1]))
     ingest.poll()
     for family in KvobsCollector(ingest).collect():

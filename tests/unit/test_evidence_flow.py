@@ -8,7 +8,10 @@ Driven with plain callables standing in for vLLM's methods (the integration test
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kvobs.codes import CAPACITY, PATHS
 from kvobs.observer import Observer
@@ -46,4 +49,51 @@ def test_a_loads_near_misses_are_judged_against_the_history_as_it_was_at_that_lo
     assert load([PROMISED], a) == "load spec"  # this load comes after it: a near miss
     observer.drain()
     assert observer.near_misses["capacity"] == 1
+    observer.close()
+
+
+def test_the_journal_never_calls_into_the_observer_and_its_totals_are_what_the_drains_pushed(tmp_path: Path) -> None:
+    """The counters reach the journal one way (issue 43, item 2): each drain that changed them pushes a
+    ``Snapshot``; the journal's writer thread writes the latest, and never drains or reads the observer."""
+    import json
+    import threading
+    import time
+
+    from kvobs.codes import SNAPSHOT_EVERY_S
+    from kvobs.journal import FLUSH_EVERY_S, JournalSink
+    from kvobs.wire.format import JOURNAL_DIR
+    from tests.support.removals import record_removal
+
+    observer = Observer(Options(engine="0"))
+    sink = JournalSink(tmp_path, observer.options)
+    observer.add_sink(sink)
+    calls_from_writer: list[str] = []
+    drain, push = observer.drain, observer._push_snapshot
+
+    def watched(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def on_call(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is sink._thread:
+                calls_from_writer.append(name)
+            return call(*args, **kwargs)
+        return on_call
+
+    observer.drain = watched("drain", drain)  # type: ignore[method-assign]
+    observer._push_snapshot = watched("_push_snapshot", push)  # type: ignore[method-assign]
+    for i in range(5):
+        record_removal(observer, [other(i)], "capacity", "store", "r")  # applied and pushed by its drain
+    time.sleep(3 * FLUSH_EVERY_S)  # the writer flushes a few times
+
+    def last_totals() -> dict[str, Any]:
+        segments = sorted((tmp_path / JOURNAL_DIR).iterdir())
+        lines = [json.loads(line) for segment in segments for line in segment.read_text().splitlines()]
+        return [line for line in lines if line["k"] == "totals"][-1]
+
+    assert last_totals()["evicted"] == {"capacity": 5}
+    observer.recomputes.recomputed(16)  # a count made outside any drain, and nothing else to apply: kvobs's
+    time.sleep(SNAPSHOT_EVERY_S + 3 * FLUSH_EVERY_S)  # applier's drains push it within SNAPSHOT_EVERY_S
+    assert last_totals()["survive"]["tokens"] == 16
+    observer.internal_error("sink", None, said=True)  # likewise, marked for the next drain
+    time.sleep(3 * FLUSH_EVERY_S)
+    assert last_totals()["errors"] == {"sink": 1}
+    assert calls_from_writer == []
     observer.close()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
-from kvobs.explain import MAX_LINE_CHARS, ExplainError, add_directory_evidence, render, scan_log
+from kvobs.explain import MAX_LINE_CHARS, ExplainError, render, scan_log
+from kvobs.explain_evidence import add_directory_evidence
 from kvobs.logtext import COMPRESSED
 
 KEY = b"\x07" * 32 + (3).to_bytes(4, "big")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import KEEP_SEGMENTS, REPORT_BYTES, JournalSink, disk_bound
-from kvobs.observer import FailureEvent, Observer, Unloadable
+from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options, parse_options
 from kvobs.sidecar.ingest import Ingest
 from kvobs.sidecar.metrics import KvobsCollector
@@ -56,7 +56,7 @@ def test_a_huge_report_is_cut_to_its_bound_and_still_read(tmp_path: Path) -> Non
     observer.add_sink(sink)
     keys = [Unloadable(i.to_bytes(32, "big") + b"\0\0\0\1", 1, None, MISSING) for i in range(5_000)]
     diagnosis = observer.load_failed("Chunk b'x' not found in cache", "r" * 100_000, 5_000, None, keys, 0)
-    sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+    observer.publish_failure(diagnosis, AssertionError(diagnosis.message))
     sink.close()
     [path] = (tmp_path / "failures").glob("*.json")
     assert path.stat().st_size <= REPORT_BYTES

@@ -14,8 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvobs.diagnosis import MISSING
 from kvobs.journal import JournalSink
-from kvobs.observer import FailureEvent, Observer, Sink, Unloadable
+from kvobs.observer import Observer, Unloadable
 from kvobs.options import Options
+from kvobs.sinks import FailureEvent, Sink
 from kvobs.tracing import SPAN_NAME, TracingSink
 
 KEY = (7).to_bytes(32, "big") + b"\0\0\0\0"

@@ -208,7 +208,7 @@ def _real_report(directory: Path) -> Path:
     """A failure report as kvobs writes one, from a failed load through the real observer and sink."""
     from kvobs.diagnosis import MISSING
     from kvobs.journal import JournalSink
-    from kvobs.observer import FailureEvent, Observer, Unloadable
+    from kvobs.observer import Observer, Unloadable
     from kvobs.options import Options
 
     observer = Observer(Options(engine="0"))
@@ -216,7 +216,7 @@ def _real_report(directory: Path) -> Path:
     observer.add_sink(sink)
     diagnosis = observer.load_failed("Chunk b'x' not found in cache", "req", 1, None,
                                      [Unloadable(b"\1" * 36, 0, None, MISSING)], 0)
-    sink.on_failure(FailureEvent(diagnosis, AssertionError(diagnosis.message)))
+    observer.publish_failure(diagnosis, AssertionError(diagnosis.message))
     sink.close()
     [report] = (directory / "failures").glob("*.json")
     return report

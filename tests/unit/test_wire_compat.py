@@ -146,7 +146,7 @@ TOMORROW = textwrap.dedent('''
     observer.counts["failures"]["evicted_after_lookup"] += rounds
     observer.counts["errors"]["stage_of_tomorrow"] += rounds
     observer.counts["near"]["capacity"] += 3 * rounds
-    sink.close()
+    observer.close()  # the final counters pushed to the journal, which closes
 ''')
 
 
