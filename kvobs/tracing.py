@@ -3,7 +3,7 @@
 The span carries the standard ``exception`` event and a ``kv_offload.missing_chunks``
 event with the structured facts. It is ended and flushed before the exception
 leaves kvobs, because the engine is about to die. The bound is kvobs's own, the failure's
-deadline every sink shares (``kvobs.observer.FAILURE_WAIT_S``): the SDK's
+deadline every sink shares (``kvobs.sinks.FAILURE_WAIT_S``): the SDK's
 ``force_flush(timeout)`` exports in the calling thread and waits out the exporter's own
 timeout and retries (measured: ~8 s with the OTLP endpoint down, 10 s with one that never
 answers), and a ``SimpleSpanProcessor`` exports inside ``span.end()``. So the span is emitted on a short-lived helper
