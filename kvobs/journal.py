@@ -489,8 +489,8 @@ class JournalSink(Sink):
 
     def flush(self, timeout: float = -1, durable: bool = False) -> bool:
         """Write out what is queued plus the totals of the latest :class:`Snapshot` the observer pushed (at the
-        end of each drain that changed them: kvobs's applier drains every ``APPLY_EVERY_S``, so they are at
-        most that old; the journal never calls into the observer); False if the lock was not had in time.
+        end of each drain that changed them, and at least every ``SNAPSHOT_EVERY_S``: ``Observer.drain``; the
+        journal never calls into the observer); False if the lock was not had in time.
         In a forked child nothing is written (:meth:`_forked`).
         """
         if self.forked_from is not None:

@@ -446,9 +446,18 @@ def real_dict(obj: Any) -> dict[str, Any] | None:
     inline), found with ``gc.get_referents``, never by reading ``__dict__``: that read alone makes CPython 3.11
     give a live object a real dict, and every attribute access of vLLM's code on it run unspecialised from then
     on (+14% of the bare CPU manager's CPU on benchmarks/overhead.py's trace: docs/performance.md)."""
+    return _dict_among(_referents(obj))
+
+
+def _referents(obj: Any) -> list[Any]:
+    """What ``obj`` refers to but its type: its attribute values, or its real ``__dict__`` alone."""
     import gc
 
-    referents = [r for r in gc.get_referents(obj) if r is not type(obj)]
+    return [r for r in gc.get_referents(obj) if r is not type(obj)]
+
+
+def _dict_among(referents: list[Any]) -> dict[str, Any] | None:
+    """The real ``__dict__`` an object's :func:`_referents` are, if they are one (:func:`real_dict`)."""
     if len(referents) == 1 and type(referents[0]) is dict and all(type(k) is str for k in referents[0]):
         return referents[0]
     return None
@@ -469,8 +478,6 @@ def _live_state(obj: Any) -> dict[str, Any]:
     then on (a quarter slower, measured: docs/performance.md, "Flight recorder"). ``gc.get_referents`` counts
     its attribute values without that; a count the names do not account for (an attribute set after
     ``__init__``) raises ProtocolMismatch, so no snapshot misses state."""
-    import gc
-
     names = _instance_names_of(type(obj))
     state = {name: getattr(obj, name) for name in names if hasattr(obj, name)}
     # An instance attribute in place of one of the class's methods, one vLLM's __init__ does not set, wraps it
@@ -479,10 +486,10 @@ def _live_state(obj: Any) -> dict[str, Any]:
     stand_ins = {name: value for name in _method_names(type(obj)) if name not in state
                  and (value := getattr(obj, name, _ABSENT_METHOD)) is not _ABSENT_METHOD
                  and getattr(value, "__self__", None) is not obj}
-    already = real_dict(obj)
+    referents = _referents(obj)  # read once: the real dict's check and the count below share it
+    already = _dict_among(referents)
     if already is not None and set(already) >= set(state):  # something read its __dict__: nothing to spare
         return {name: value for name, value in already.items() if name not in stand_ins}
-    referents = [r for r in gc.get_referents(obj) if r is not type(obj)]
     for value in stand_ins.values():  # one referent each (two attributes may hold one object)
         found = next((i for i, r in enumerate(referents) if r is value), None)
         if found is not None:
