@@ -12,6 +12,11 @@ collector on. Each side therefore pays only for its own objects. Measured per re
 thread's CPU (``time.thread_time``), the process's CPU after kvobs's applier has applied everything
 (``time.process_time``), and the collector's own wall time and collections (``gc.callbacks``).
 
+Sides ending ``:held`` take kvobs's applier thread out (the observer is not served by it and its capture buffer
+never fills during the replay): everything is applied after the replay, on this thread, and counted in the process
+figure only. Their scheduler-thread figure is what the taps and their captures cost alone; the difference to the
+side without ``:held`` is what applying beside vLLM's thread costs it (docs/performance.md, "Where the floor is").
+
 Workloads: ``prefix`` (Zipf-shared prefixes of 4-64 chunks, a lookup per chunk: issue 43's shape) and
 ``trace`` (overhead.py's default scheduler model).
 
@@ -39,6 +44,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 """Knobs over ``benchmarks.overhead.Workload``'s defaults, by name."""
 SIDES = ("bare", "observed", "observed+flight", "observed+journal")
+FOLDED = ("evicted", "stored", "loaded")
+"""Counters a replay reports, as the fold counted them (a held side must count what a served one does)."""
+HELD = ":held"
+"""Suffix of a side whose captures are all applied after the replay (the module's docstring)."""
 TARGET_THREAD = 1.03
 """Scheduler thread, compiled, against the bare manager (issue 43; the flight recorder's side too)."""
 TARGET_PROCESS = 1.10
@@ -55,7 +64,10 @@ def child(side: str, manager: str, workload_name: str, journal_dir: str, steps: 
         knobs["steps"] = steps
     workload = overhead.Workload(**knobs)
     trace = overhead.record(manager, workload)
-    m = overhead.build(trace, side, Path(journal_dir))
+    held = side.endswith(HELD)
+    m = overhead.build(trace, side.removesuffix(HELD), Path(journal_dir))
+    if held:
+        hold_applier(m)
     contexts = [overhead.make_context(i, p) for i, p in enumerate(trace.positions)]
     calls = overhead.bind(m, trace.ops, contexts)
     sink = overhead._journal_sink(m)
@@ -80,9 +92,19 @@ def child(side: str, manager: str, workload_name: str, journal_dir: str, steps: 
     observer = getattr(m, "observer", None)
     gc.callbacks.remove(on_gc)
     errors = sum(observer.internal_errors.values()) if observer is not None else 0
+    folded = {key: sum(observer.counts[key].values()) for key in FOLDED} if observer is not None else {}
     m.shutdown()
     return {"thread_s": t1 - t0, "process_s": p1 - p0, "gc_s": collector["s"], "collections": collector["n"],
-            "calls": len(calls), "internal_errors": errors}
+            "calls": len(calls), "internal_errors": errors, "folded": folded}
+
+
+def hold_applier(m: Any) -> None:
+    """Keep kvobs's applier thread away from ``m``'s captures until :func:`overhead.settle` applies them all."""
+    from kvobs.applier import APPLIER
+
+    observer = m.observer
+    APPLIER.forget(observer)
+    observer.recorder._capture_limit = 1 << 40  # never full in a replay: nothing applied on vLLM's thread either
 
 
 def run_child(side: str, manager: str, workload: str, journal_dir: Path, steps: int | None) -> dict[str, Any]:

@@ -23,7 +23,11 @@ def test_the_isolated_overhead_benchmark_runs() -> None:
     """benchmarks/isolated.py: each side replayed in a process of its own, the collector on (toy size)."""
     from benchmarks import isolated
 
-    results = isolated.main(["--quick", "--workload", "prefix", "--sides", "bare,observed,observed+flight"])
+    results = isolated.main(["--quick", "--workload", "prefix", "--sides",
+                             "bare,observed,observed+flight,observed:held"])
     prefix = results["workloads"]["prefix"]
     assert all(r["internal_errors"] == 0 and r["calls"] > 100 for side in prefix["replays"].values() for r in side)
     assert prefix["observed"]["thread_ratio"] > 0 and prefix["bare"]["thread_ratio"] == 1.0
+    # The side without kvobs's applier thread folds, after the replay, exactly what the served side folded.
+    (served,), (held,) = prefix["replays"]["observed"], prefix["replays"]["observed:held"]
+    assert served["folded"]["evicted"] > 0 and held["folded"] == served["folded"]
