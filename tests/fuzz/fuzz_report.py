@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from kvobs.sidecar.server import FailureQuery, failure_page, served_report
+from kvobs.sidecar.failures import FailureQuery, failure_page, served_report
 from kvobs.sidecar.state import SidecarState
 from kvobs.wire.decode import read_report
 from kvobs.wire.format import FAILURES_DIR

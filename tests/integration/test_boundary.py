@@ -247,7 +247,7 @@ def test_a_real_vllm_assertion_is_named_with_its_expression(tmp_path: Path) -> N
         assert not [f for f in KvobsCollector(ingest).collect() if f.name == "kvobs_load_failures"
                     and any(s.labels.get("cause") == "vllm_assertion" for s in f.samples)]
         # /api/v1/failures filters it by its cause (the alert KvobsOffloadException's runbook asks for it).
-        from kvobs.sidecar.server import FailureQuery, failure_page
+        from kvobs.sidecar.failures import FailureQuery, failure_page
 
         (served,), _ = failure_page(tmp_path / "failures", FailureQuery.parse("cause=vllm_assertion"))
         assert served["site"]["function"] == "start_load_kv"

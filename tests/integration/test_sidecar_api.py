@@ -22,8 +22,8 @@ from vllm.v1.kv_offload.base import ReqContext
 
 import kvobs
 from kvobs.codes import BUCKETS
-from kvobs.sidecar import server
-from kvobs.sidecar.server import FailureQuery, failure_page
+from kvobs.sidecar import failures
+from kvobs.sidecar.failures import FailureQuery, failure_page
 from tests.support.services import ROOT, Sidecar, clean_env, free_port, http_get, wait_for
 from tests.support.vllm_env import cpu_extra, create_manager, evicted_after_lookup_then_coverage_mismatch, key
 
@@ -246,7 +246,7 @@ def test_a_page_stops_at_its_scan_budget_and_the_cursor_goes_on(
     # Each request reads at most MAX_SCANNED report files: a filter matching nothing in 100k reports
     # must not read them all in one request. 3 here, so a page of engine "1" ends early with a cursor.
     directory = reports[0] / "failures"
-    monkeypatch.setattr(server, "MAX_SCANNED", 3)
+    monkeypatch.setattr(failures, "MAX_SCANNED", 3)
     query = FailureQuery(limit=10, engines=frozenset({"1"}))
     seen: list[str] = []
     cursor: str | None = None

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from vllm.v1.kv_offload.base import ReqContext
 
 import kvobs
+from kvobs.sidecar.failures import FailureQuery, failure_page
 from kvobs.sidecar.ingest import Ingest
-from kvobs.sidecar.server import FailureQuery, failure_page
 from kvobs.tracing import EVENT_NAME, MAX_SPAN_KEYS
 from kvobs.wire.format import MAX_REPORT_BYTES
 from tests.support.vllm_env import cpu_extra, create_manager, key

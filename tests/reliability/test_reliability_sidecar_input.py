@@ -83,7 +83,7 @@ def test_a_fifo_and_symlinks_are_not_journals_or_reports(tmp_path: Path) -> None
     values = metrics(ingest)
     assert evicted(values, "e0") == 3 and skipped(values, "report", "unreadable") == 1
     assert skipped(values, "journal", "unreadable") == 2
-    from kvobs.sidecar.server import FailureQuery, failure_page
+    from kvobs.sidecar.failures import FailureQuery, failure_page
 
     served, _ = failure_page(directory / "failures", FailureQuery(limit=10))
     assert [f["engine"] for f in served] == ["e0"]  # the link is not served
