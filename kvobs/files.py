@@ -1,6 +1,7 @@
 """Writing kvobs's files safely: private directories, whole files that survive a crash.
 
-Shared by the engine's journal and the sidecar's checkpoint; pure standard library.
+Shared by the engine's journal and the sidecar's checkpoint, and by ``kvobs doctor``'s probe of the journal
+directory (:func:`probe_directory`); pure standard library.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,3 +110,42 @@ def held(path: Path) -> bool | None:
     finally:
         os.close(fd)  # closing drops the probe's lock
     return False
+
+
+def probe_directory(path: Path) -> tuple[str | None, str]:
+    """(None, what was found) when kvobs can write files in ``path``, else (why not, ""). The directory is
+    created if missing (0700, as kvobs does) and a probe file written in it (and in its ``journal`` and
+    ``failures`` subdirectories when they exist); every file and directory made here is removed again."""
+    created: list[Path] = []
+    try:
+        missing = []
+        existing = path
+        while not os.path.lexists(existing):
+            missing.append(existing)
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"cannot be created: {existing} is not a directory", ""
+        for directory in reversed(missing):
+            directory.mkdir(mode=0o700)
+            created.append(directory)
+        targets = [path] + [path / sub for sub in ("journal", "failures") if (path / sub).is_dir()]
+        for target in targets:
+            fd, probe = tempfile.mkstemp(prefix=".kvobs-doctor-", dir=target)
+            try:
+                os.write(fd, b"kvobs doctor\n")
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+    except OSError as exc:
+        return f"not writable: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), ""
+    finally:
+        for directory in reversed(created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+    if created:
+        return None, "writable (does not exist yet: the engine creates it, 0700)"
+    note = "writable"
+    owner = path.stat().st_uid
+    if owner != os.getuid():
+        note += f" (owned by uid {owner}, not this uid {os.getuid()}: run the engine and kvobs serve as one uid)"
+    return None, note

@@ -33,10 +33,8 @@ import importlib
 import json
 import logging
 import mmap
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadingSpec
 
 import kvobs
+from kvobs.files import probe_directory
 from kvobs.options import MIN_HISTORY_SIZE, OptionError, Options
 from kvobs.versions import SUPPORTED_VLLM
 from kvobs.vllm import compat
@@ -540,45 +539,6 @@ def _directory(options: Options, raw: Mapping[str, Any], report: Report) -> None
     else:
         report.say("dir", f"{options.dir} ({source}): {note}; kvobs keeps at most "
                    f"{disk_bound(options) / 2**30:.2f} GiB there for one engine")
-
-
-def probe_directory(path: Path) -> tuple[str | None, str]:
-    """(None, what was found) when kvobs can write files in ``path``, else (why not, ""). The directory is
-    created if missing (0700, as kvobs does) and a probe file written in it (and in its ``journal`` and
-    ``failures`` subdirectories when they exist); every file and directory made here is removed again."""
-    created: list[Path] = []
-    try:
-        missing = []
-        existing = path
-        while not os.path.lexists(existing):
-            missing.append(existing)
-            existing = existing.parent
-        if not existing.is_dir():
-            return f"cannot be created: {existing} is not a directory", ""
-        for directory in reversed(missing):
-            directory.mkdir(mode=0o700)
-            created.append(directory)
-        targets = [path] + [path / sub for sub in ("journal", "failures") if (path / sub).is_dir()]
-        for target in targets:
-            fd, probe = tempfile.mkstemp(prefix=".kvobs-doctor-", dir=target)
-            try:
-                os.write(fd, b"kvobs doctor\n")
-            finally:
-                os.close(fd)
-                os.unlink(probe)
-    except OSError as exc:
-        return f"not writable: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), ""
-    finally:
-        for directory in reversed(created):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-    if created:
-        return None, "writable (does not exist yet: the engine creates it, 0700)"
-    note = "writable"
-    owner = path.stat().st_uid
-    if owner != os.getuid():
-        note += f" (owned by uid {owner}, not this uid {os.getuid()}: run the engine and kvobs serve as one uid)"
-    return None, note
 
 
 def _result(report: Report) -> None:
