@@ -1,9 +1,9 @@
 """GET /api/v1/failures: which report files a page reads, and each report as the API serves it.
 
-Apart from the HTTP server (kvobs/sidecar/server.py) because it is the one place that reads report files for a
-client: a page reads them one at a time, within ``MAX_SCANNED`` files and ``MAX_PAGE_BYTES``, skips what does
-not read (the sidecar's metrics count it), and hands out the ``next`` URL a client asks again with. The
-parameters' rules are kvobs/sidecar/query.py's.
+Apart from the HTTP server (kvobs/sidecar/server.py), which routes the request here: a page reads the report
+files one at a time, within ``MAX_SCANNED`` files and ``MAX_PAGE_BYTES``, skips what does not read (the sidecar's
+metrics count it), and hands out the ``next`` URL a client asks again with. The parameters' rules are
+kvobs/sidecar/query.py's.
 """
 
 from __future__ import annotations
