@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from kvobs.codes import BUCKETS
-from kvobs.sidecar.query import DEFAULT_FAILURES, parse_params
+from kvobs.sidecar.query import DEFAULT_FAILURES, FAILURES_PATH, parse_params
 from kvobs.wire.decode import Report, read_report, report_files
 from kvobs.wire.format import REPORT_ID, REPORT_SUFFIX, report_time_ms
 
@@ -77,7 +77,7 @@ class FailureQuery:
         if self.since is not None:
             params.append(("since", repr(self.since)))
         params.append(("before", before))
-        return "/api/v1/failures?" + urlencode(params)
+        return FAILURES_PATH + "?" + urlencode(params)
 
 
 def _report_ids(failures_dir: Path) -> list[tuple[str, Path]]:

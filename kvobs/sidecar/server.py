@@ -333,7 +333,7 @@ class Handler(BaseHTTPRequestHandler):
             )
         elif url.path == "/livez":
             self._json(HTTPStatus.OK, {"status": "ok"})
-        elif url.path == "/api/v1/failures":
+        elif url.path == FAILURES_PATH:
             if not self._authorized():
                 return
             try:
@@ -366,8 +366,8 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == OPENAPI_PATH:
             self._send(HTTPStatus.OK, openapi_document(), "application/json")
         elif url.path == "/":
-            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", "/api/v1/failures",
-                                                     "/api/v1/failures/<id>", REPLAYS_PATH, "POST " + REPLAYS_PATH,
+            self._json(HTTPStatus.OK, {"endpoints": ["/metrics", "/healthz", "/livez", FAILURES_PATH,
+                                                     FAILURES_PATH + "/<id>", REPLAYS_PATH, "POST " + REPLAYS_PATH,
                                                      REPLAYS_PATH + "/<id>", OPENAPI_PATH]})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {url.path[:200]}"})
